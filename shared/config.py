@@ -1,0 +1,274 @@
+"""Deployment configuration: one YAML file, one section per service, env overrides, bounds.
+
+``load_config(path)`` reads the YAML (all sections optional), applies environment overrides
+``DRESSAGE_<SECTION>_<KEY>`` (e.g. ``DRESSAGE_STALENESS_KEEP_VERSIONS=2``; the retry budget is
+``DRESSAGE_ROLLOUT_MAX_RETRIES``) and validates every section. A bad value raises ``ConfigError``
+whose message names the key (``section.key``) and the allowed range, so a service stops at start
+instead of misbehaving later. Unknown keys are refused too: a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from shared.errors import ConfigError
+from shared.keys import Keys
+
+ENV_PREFIX = "DRESSAGE_"
+DEV_PASSWORDS = {"", "dressage", "changeme", "password", "redis"}
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class RedisConfig(Section):
+    """Connection to the Redis that carries every stream."""
+
+    url: str = "redis://127.0.0.1:6379/0"  # REDIS_URL also overrides this
+    prefix: str = Field(default="dressage", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-{}]+$")
+    password: SecretStr | None = None  # REDIS_PASSWORD also overrides this
+    require_password: bool = False  # production configs set true: refuse an empty or default password
+    socket_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    reconnect_backoff_max_s: float = Field(default=5.0, gt=0, le=120)  # bounded exponential backoff cap
+
+    def client(self, decode_responses: bool = False) -> Any:
+        import redis  # local: keep shared.config importable without a Redis client
+
+        pw = self.password.get_secret_value() if self.password else None
+        return redis.Redis.from_url(self.url, password=pw, decode_responses=decode_responses,
+                                    socket_timeout=self.socket_timeout_s, socket_connect_timeout=5,
+                                    health_check_interval=15)
+
+
+class ModelConfig(Section):
+    """The policy model: a Hugging Face directory (tiny CPU model here, a real checkpoint on GPU)."""
+
+    path: str = "models/reverse-tiny"
+    task: str = "reverse"  # task used to build the tiny model and warm start it
+    warm_steps: int = Field(default=300, ge=0, le=100_000)
+    seed: int = 0
+
+
+class EngineConfig(Section):
+    """CPU inference engine speaking SGLang's HTTP API."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=1, le=65535)
+    model_path: str | None = None  # default: model.path
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    max_queue: int = Field(default=1024, ge=1, le=100_000)
+    seed: int = 0
+    weight_version: str = "0"  # version reported before the first update
+
+
+class ProxyConfig(Section):
+    """LLM proxy: sessions, partial rollout and the trajectory version-span limit."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8800, ge=1, le=65535)
+    engines: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
+    partial_rollout: bool = True
+    max_partial_rollout_preempts: int | None = Field(default=None, ge=0, le=1000)
+    api_key: SecretStr | None = None  # bearer token; None = no auth (dev only)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    max_tokens_limit: int = Field(default=4096, ge=1, le=1 << 20)
+    max_messages: int = Field(default=256, ge=1, le=100_000)
+    max_prompt_tokens: int = Field(default=8192, ge=1, le=1 << 20)
+    max_concurrency: int = Field(default=256, ge=1, le=100_000)
+    session_ttl_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    request_timeout_s: float = Field(default=600.0, gt=0, le=86400)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+
+
+class PromptBufferConfig(Section):
+    """Dataset reader that emits prompt groups."""
+
+    dataset: str = "data/reverse/train.jsonl"
+    n_samples: int = Field(default=8, ge=1, le=4096)  # trajectories per GRPO group
+    shuffle_seed: int = 0
+    epochs: int | None = Field(default=None, ge=1)  # None = forever
+    poll_s: float = Field(default=0.2, gt=0, le=60)
+    max_stream_len: int = Field(default=100_000, ge=100)
+
+
+class PacingConfig(Section):
+    """Admission control (AReaL-style): groups in flight bounded by the trainer's progress."""
+
+    max_versions_ahead: int | None = Field(default=1, ge=0, le=1000)  # η; 0 = synchronous; None = unbounded
+    max_in_flight_groups: int = Field(default=64, ge=1, le=1_000_000)
+
+
+class RolloutConfig(Section):
+    """Rollout workers and the retry budget (DRESSAGE_ROLLOUT_MAX_RETRIES)."""
+
+    max_retries: int = Field(default=2, ge=0, le=100)  # at most 1 + max_retries attempts per group
+    proxy_url: str = "http://127.0.0.1:8800"
+    proxy_api_key: SecretStr | None = None
+    concurrency: int = Field(default=1, ge=1, le=256)  # groups a worker runs at once
+    trajectory_timeout_s: float = Field(default=300.0, gt=0, le=86400)
+    claim_idle_ms: int = Field(default=30_000, ge=100, le=86_400_000)  # reclaim pending entries idle this long
+    grace_period_s: float = Field(default=20.0, ge=0, le=3600)
+    block_ms: int = Field(default=1000, ge=1, le=60_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)  # None = the task's own limit
+
+
+class StalenessSection(Section):
+    """Batch-level version window."""
+
+    keep_versions: int = Field(default=2, ge=0, le=10_000)  # 0 = filter off
+    order_by_published: bool = True  # order the window by the trainer's publication log when known
+
+
+class CollectorConfig(Section):
+    """Group collector: window, batch assembly, re-enqueue."""
+
+    max_ready_batches: int = Field(default=1, ge=1, le=1000)
+    claim_idle_ms: int = Field(default=30_000, ge=100, le=86_400_000)
+    block_ms: int = Field(default=500, ge=1, le=60_000)
+
+
+class TrainConfig(Section):
+    """GRPO trainer."""
+
+    groups_per_batch: int = Field(default=4, ge=1, le=4096)
+    max_steps: int | None = Field(default=None, ge=1)  # stop after this many optimizer steps
+    lr: float = Field(default=1e-4, gt=0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0, le=1.0)
+    warmup_steps: int = Field(default=0, ge=0)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    micro_batch_size: int = Field(default=16, ge=1, le=4096)
+    grad_accum: int = Field(default=1, ge=1, le=4096)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    clip_eps: float = Field(default=0.2, gt=0, le=10)
+    clip_eps_high: float | None = Field(default=None, gt=0, le=10)
+    std_normalize: bool = True
+    tis_cap: float | None = Field(default=None, gt=0)  # truncated importance sampling cap; None = off
+    kl_coef: float = Field(default=0.0, ge=0)
+    mask_nonlast_version_tokens: bool = False
+    update_weights_interval: int = Field(default=1, ge=1, le=100_000)
+    checkpoint_dir: str = "runs/checkpoints"
+    keep_checkpoints: int = Field(default=3, ge=1, le=1000)
+    seed: int = 0
+    block_ms: int = Field(default=1000, ge=1, le=60_000)
+    claim_idle_ms: int = Field(default=600_000, ge=100, le=86_400_000)
+
+
+class EvalConfig(Section):
+    """Evaluation jobs (rq) on held-out data."""
+
+    every_versions: int = Field(default=0, ge=0, le=100_000)  # 0 = off
+    dataset: str = "data/reverse/test.jsonl"
+    n_examples: int = Field(default=64, ge=1, le=1_000_000)
+    queue: str = "dressage-eval"
+
+
+class OpsConfig(Section):
+    """dressage up / status / report."""
+
+    run_dir: str = "runs"
+    heartbeat_ttl_s: float = Field(default=15.0, gt=0, le=3600)
+    metrics_maxlen: int = Field(default=100_000, ge=100)
+    metrics_port_base: int | None = Field(default=None, ge=1, le=65535)  # Prometheus ports per service
+
+
+class DressageConfig(Section):
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    prompt_buffer: PromptBufferConfig = Field(default_factory=PromptBufferConfig)
+    pacing: PacingConfig = Field(default_factory=PacingConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    staleness: StalenessSection = Field(default_factory=StalenessSection)
+    collector: CollectorConfig = Field(default_factory=CollectorConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    ops: OpsConfig = Field(default_factory=OpsConfig)
+
+    @field_validator("redis")
+    @classmethod
+    def _password_policy(cls, value: RedisConfig) -> RedisConfig:
+        if value.require_password:
+            pw = value.password.get_secret_value() if value.password else ""
+            if pw.strip().lower() in DEV_PASSWORDS:
+                raise ValueError("a non-empty, non-default password is required (set REDIS_PASSWORD)")
+        return value
+
+    def keys(self) -> Keys:
+        return Keys(self.redis.prefix)
+
+
+SECTIONS = tuple(DressageConfig.model_fields)
+
+
+def _coerce_env(raw: str) -> Any:
+    """Env values are YAML scalars/lists: "2" -> 2, "true" -> True, "null" -> None, "[a, b]" -> list."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    # Longest section names first so "prompt_buffer" wins over a hypothetical "prompt".
+    for section in sorted(SECTIONS, key=len, reverse=True):
+        head = f"{ENV_PREFIX}{section.upper()}_"
+        for name, raw in env.items():
+            if name.startswith(head):
+                key = name[len(head):].lower()
+                if key in DressageConfig.model_fields[section].annotation.model_fields:  # type: ignore[union-attr]
+                    out.setdefault(section, {})[key] = _coerce_env(raw)
+    if "REDIS_URL" in env:
+        out.setdefault("redis", {}).setdefault("url", env["REDIS_URL"])
+    if "REDIS_PASSWORD" in env:
+        out.setdefault("redis", {}).setdefault("password", env["REDIS_PASSWORD"])
+    return out
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err.get("loc", ()))
+    ctx = err.get("ctx") or {}
+    bounds = [f"{op} {ctx[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if k in ctx]
+    allowed = f" (allowed: {' and '.join(bounds)})" if bounds else ""
+    secret = any(w in key for w in ("password", "api_key", "secret", "token"))
+    got = "<redacted>" if secret else repr(err.get("input"))  # secrets never reach logs
+    return f"{key}: {err.get('msg')}{allowed}; got {got}"
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, dict[str, Any]] | None = None) -> DressageConfig:
+    """Read ``path`` (YAML; None = defaults), apply env and explicit overrides, validate."""
+    env = dict(os.environ) if env is None else env
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {p}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must be a mapping of sections")
+        data = loaded or {}
+    for source in (_env_overrides(env), overrides or {}):
+        for section, values in source.items():
+            current = data.get(section) or {}
+            if not isinstance(current, dict):
+                raise ConfigError(f"{section}: must be a mapping")
+            data[section] = {**current, **values}
+    try:
+        return DressageConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(e) for e in exc.errors())) from exc

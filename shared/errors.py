@@ -1,0 +1,39 @@
+"""Named exceptions of the project, flat as in rq: every failure a caller may handle has a name.
+
+``ShutdownRequested`` derives from ``BaseException`` so that no ``except Exception`` on the way
+swallows a stop request; the only broad ``except`` in a service is its consumer loop's poison guard.
+"""
+
+from __future__ import annotations
+
+
+class DressageError(Exception):
+    """Base of every project-specific error."""
+
+
+class ConfigError(DressageError):
+    """A configuration value is missing or out of range; the message names the key and the range."""
+
+
+class MalformedEntry(DressageError):
+    """A stream entry or body that cannot be decoded or fails its schema; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class VersionRegression(DressageError):
+    """A weight version was published that is not newer than the latest one."""
+
+
+class InvalidSample(ValueError, DressageError):
+    """A sample violates the wire contract (e.g. a non-integer ``segment_index``)."""
+
+
+class UnknownTask(DressageError):
+    """A task name that no plugin provides."""
+
+
+class ShutdownRequested(BaseException):
+    """Raised to unwind a service loop on SIGTERM/SIGINT; never caught by ``except Exception``."""

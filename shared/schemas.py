@@ -1,0 +1,162 @@
+"""Wire schemas of contract v1 (ARCHITECTURE §5–6): the only shapes that cross a stream.
+
+Every model forbids unknown fields, so a producer that drifts from the contract is caught at
+the consumer's edge (``shared.codec.decode_entry``) and dead-lettered, never half-read.
+Versions are opaque strings; ``None`` means "no real version" (see ``shared.staleness.real_version``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = "1"
+
+# Bounds that keep a single entry from exhausting a consumer's memory.
+MAX_SAMPLES_PER_GROUP = 4096
+MAX_TOKENS_PER_SAMPLE = 1 << 20
+MAX_GROUPS_PER_BATCH = 4096
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False)
+
+
+class Message(_Wire):
+    """One chat message."""
+
+    role: str = Field(min_length=1, max_length=64)  # "system" | "user" | "assistant" | "tool" | ...
+    content: str  # message text
+
+
+class PromptGroup(_Wire):
+    """A prompt to roll out ``n_samples`` times as one GRPO group (kind ``prompt_group``)."""
+
+    group_id: str = Field(min_length=1, max_length=256)  # stable across attempts of the same prompt group
+    prompt_id: str = Field(min_length=1, max_length=256)  # dataset row id
+    task: str = Field(min_length=1, max_length=64)  # task plugin name (shared.tasks)
+    prompt: str | list[Message]  # raw prompt text, or chat messages
+    reference: Any = None  # whatever the task's verifier needs (answer, hidden number, ...)
+    n_samples: int = Field(ge=1, le=MAX_SAMPLES_PER_GROUP)  # trajectories per group
+    attempt: int = Field(default=0, ge=0)  # 0 for the first try; +1 per re-enqueue
+    enqueued_at: float = 0.0  # unix seconds when this attempt entered {p}:prompts
+    meta: dict[str, Any] = Field(default_factory=dict)  # free-form (epoch, dataset index, retry history)
+
+
+class VersionSpan(_Wire):
+    """Run of tokens ``[start, end)`` produced by one weight version (``"-1"`` for context)."""
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    version: str
+
+
+class Sample(_Wire):
+    """One trainable segment of one trajectory; all per-token lists have the same length."""
+
+    traj_id: str = Field(min_length=1, max_length=256)  # the proxy session id of the whole trajectory
+    segment_index: int = Field(default=0, ge=0)  # order of this segment inside the trajectory
+    token_ids: list[int]  # prompt + response token ids
+    loss_mask: list[int]  # 1 = model-generated token that may carry loss, else 0
+    logprobs: list[float]  # behaviour-policy logprob per token; 0.0 where loss_mask is 0
+    token_versions: list[str]  # weight version that produced each token; "-1" for context tokens
+    version_spans: list[VersionSpan] = Field(default_factory=list)  # run-length form of token_versions
+    start_version: str | None = None  # first real version among loss tokens; None if there is none
+    end_version: str | None = None  # last real version among loss tokens; None if there is none
+    reward: float = 0.0  # trajectory reward on the last segment, 0.0 on earlier ones
+    finish_reason: str = "stop"  # "stop" | "length" | "abort" | ...
+    partial_rollout: bool = False  # loss tokens carry two or more real versions
+    meta: dict[str, Any] = Field(default_factory=dict)  # free-form
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Sample:
+        n = len(self.token_ids)
+        if n > MAX_TOKENS_PER_SAMPLE:
+            raise ValueError(f"token_ids: {n} tokens exceeds the limit {MAX_TOKENS_PER_SAMPLE}")
+        for name in ("loss_mask", "logprobs", "token_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name}: length {len(getattr(self, name))} != len(token_ids) {n}")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask: every value must be 0 or 1")
+        return self
+
+
+class RolloutGroup(_Wire):
+    """The outcome of one attempt of a prompt group (kind ``rollout_group``)."""
+
+    group_id: str = Field(min_length=1, max_length=256)
+    prompt_id: str = Field(min_length=1, max_length=256)
+    attempt: int = Field(ge=0)
+    status: Literal["completed", "failed"]
+    error: str | None = None  # failure reason (failed only), e.g. "partial_rollout_staleness_exceeded: ..."
+    samples: list[Sample] = Field(default_factory=list, max_length=MAX_SAMPLES_PER_GROUP)
+    meta: dict[str, Any] = Field(default_factory=dict)  # task, n_samples, timings, the original PromptGroup, ...
+
+    def last_segments(self) -> list[Sample]:
+        """The highest-``segment_index`` sample of each trajectory (later sample wins ties)."""
+        last: dict[str, Sample] = {}
+        for s in self.samples:
+            cur = last.get(s.traj_id)
+            if cur is None or cur.segment_index <= s.segment_index:
+                last[s.traj_id] = s
+        return list(last.values())
+
+    @property
+    def end_versions(self) -> list[str]:
+        """One end version per trajectory (last segment), "" where the trajectory has none."""
+        return [s.end_version or "" for s in self.last_segments()]
+
+    @property
+    def reward_mean(self) -> float:
+        """Mean trajectory reward (read from each trajectory's last segment)."""
+        last = self.last_segments()
+        return sum(s.reward for s in last) / len(last) if last else 0.0
+
+
+class Window(_Wire):
+    """The staleness window in force when a batch was assembled."""
+
+    keep_versions: int = Field(ge=0)  # 0 = filter off
+    current_version: str | None = None  # newest version in the window
+    cutoff_version: str | None = None  # oldest version still admitted
+
+
+class Batch(_Wire):
+    """A trainer batch of complete GRPO groups (kind ``batch``)."""
+
+    batch_id: str = Field(min_length=1, max_length=256)
+    groups: list[RolloutGroup] = Field(max_length=MAX_GROUPS_PER_BATCH)
+    trainer_version: str | None = None  # latest published version when the batch was assembled
+    window: Window
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def group_id(self) -> str:
+        return self.batch_id
+
+    @property
+    def attempt(self) -> int:
+        return 0
+
+
+class DeadLetter(_Wire):
+    """A message that will never be processed, kept with its original bytes (kind ``dead_letter``)."""
+
+    reason: str  # "retries_exhausted" | "stale_retries_exhausted" | "malformed" | ...
+    error: str  # human-readable cause
+    source_stream: str
+    source_id: str
+    fields: dict[str, bytes] = Field(default_factory=dict)  # the original entry, bytes intact
+
+
+class WeightVersion(_Wire):
+    """A published weight version (``{p}:weights:latest`` JSON and ``{p}:weights:log`` entry)."""
+
+    version: str = Field(min_length=1, max_length=128)
+    path: str  # complete HF checkpoint directory on the checkpoint volume
+    step: int = Field(ge=0)  # trainer optimizer step that produced it
+    published_at: float  # unix seconds
+
+
+WireModel = PromptGroup | RolloutGroup | Batch | DeadLetter

@@ -1,0 +1,79 @@
+"""Heartbeats and metric reports: every service says it is alive and what it did, in Redis.
+
+``report_metrics`` appends one entry per report to the capped ``{p}:metrics`` stream (fields:
+``service``, ``ts``, then one field per metric as text), which ``dressage report`` and
+``dressage status`` read back. ``heartbeat`` sets ``{p}:health:{service}:{consumer}`` with a TTL:
+a service whose key expired is considered dead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from shared.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+def report_metrics(r: redis.Redis, keys: Keys, service: str, metrics: Mapping[str, Any],
+                   maxlen: int = 100_000) -> bytes | None:
+    fields: dict[str, str] = {"service": service, "ts": f"{time.time():.3f}"}
+    for k, v in metrics.items():
+        fields[k] = v if isinstance(v, str) else json.dumps(v)
+    try:
+        return r.xadd(keys.metrics, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+    except redis.RedisError as exc:  # metrics are best-effort; never fail the work for them
+        log.warning("metrics report failed service=%s: %s", service, exc)
+        return None
+
+
+def read_metrics(r: redis.Redis, keys: Keys, service: str | None = None) -> list[dict[str, Any]]:
+    """All metric reports (oldest first), values parsed back from JSON where possible."""
+    out: list[dict[str, Any]] = []
+    for entry_id, fields in r.xrange(keys.metrics):
+        row: dict[str, Any] = {"id": entry_id.decode() if isinstance(entry_id, bytes) else entry_id}
+        for k, v in fields.items():
+            key = k.decode() if isinstance(k, bytes) else k
+            text = v.decode() if isinstance(v, bytes) else v
+            try:
+                row[key] = json.loads(text) if key not in ("service",) else text
+            except ValueError:
+                row[key] = text
+        if service is None or row.get("service") == service:
+            out.append(row)
+    return out
+
+
+def heartbeat(r: redis.Redis, keys: Keys, service: str, consumer: str, ttl_s: float = 15.0,
+              info: Mapping[str, Any] | None = None) -> None:
+    body = json.dumps({"service": service, "consumer": consumer, "ts": time.time(), **(info or {})})
+    try:
+        r.set(keys.health(service, consumer), body, px=int(ttl_s * 1000))
+    except redis.RedisError as exc:
+        log.warning("heartbeat failed service=%s consumer=%s: %s", service, consumer, exc)
+
+
+class Heartbeat:
+    """Rate-limited heartbeat for loops: ``beat()`` writes at most once per ``ttl_s / 3``."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, service: str, consumer: str, ttl_s: float = 15.0) -> None:
+        self.r, self.keys, self.service, self.consumer, self.ttl_s = r, keys, service, consumer, ttl_s
+        self._last = 0.0
+
+    def beat(self, info: Mapping[str, Any] | None = None, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.ttl_s / 3:
+            heartbeat(self.r, self.keys, self.service, self.consumer, self.ttl_s, info)
+            self._last = now
+
+    def clear(self) -> None:
+        try:
+            self.r.delete(self.keys.health(self.service, self.consumer))
+        except redis.RedisError:
+            pass

@@ -1,0 +1,171 @@
+"""Weight-version bus (ARCHITECTURE §6): the key is the truth, pub/sub only wakes subscribers up.
+
+Publishing sets ``{p}:weights:latest``, appends to ``{p}:weights:log`` and publishes on
+``{p}:weights`` in one MULTI/EXEC, guarded by WATCH so a version that is not newer than the
+latest is refused (``VersionRegression``). A watcher subscribes first, then reads the key (no
+publication can fall between the two unseen), re-reads the key on every message and on a timer,
+and reports a version only if it is newer than the last one it reported: what a subscriber sees
+never goes backwards, and one that was disconnected catches up on its next read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from shared.errors import MalformedEntry, VersionRegression
+from shared.keys import Keys
+from shared.schemas import WeightVersion
+
+log = logging.getLogger(__name__)
+
+
+def version_newer(a: str, b: str | None) -> bool:
+    """Is version ``a`` newer than ``b``? Integers compare numerically; other labels by inequality."""
+    if b is None:
+        return True
+    try:
+        return int(a) > int(b)
+    except ValueError:
+        return a != b
+
+
+def _parse(raw: Any) -> WeightVersion | None:
+    if raw is None:
+        return None
+    try:
+        return WeightVersion.model_validate_json(raw)
+    except ValueError as exc:
+        raise MalformedEntry(f"weights:latest is not a WeightVersion: {exc}") from exc
+
+
+def read_latest(r: redis.Redis, keys: Keys) -> WeightVersion | None:
+    return _parse(r.get(keys.weights_latest))
+
+
+def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: int = 10_000) -> None:
+    """Announce ``wv``; refuses a version that is not newer than the one already published."""
+    body = wv.model_dump_json()
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.weights_latest)
+                current = _parse(pipe.get(keys.weights_latest))
+                if current is not None and not version_newer(wv.version, current.version):
+                    raise VersionRegression(f"version {wv.version!r} is not newer than the latest {current.version!r}")
+                pipe.multi()
+                pipe.set(keys.weights_latest, body)
+                pipe.xadd(keys.weights_log, {"version": wv.version, "path": wv.path, "step": str(wv.step),
+                                             "published_at": repr(wv.published_at)},
+                          maxlen=log_maxlen, approximate=True)
+                pipe.publish(keys.weights_channel, body)
+                pipe.execute()
+                break
+            except redis.WatchError:
+                continue  # someone published meanwhile: re-check against the new latest
+    log.info("published version=%s step=%d path=%s", wv.version, wv.step, wv.path)
+
+
+def published_versions(r: redis.Redis, keys: Keys, count: int | None = None) -> list[str]:
+    """Published version labels, oldest first (the order the window uses when it knows them)."""
+    entries = r.xrange(keys.weights_log, count=count) if count else r.xrange(keys.weights_log)
+    out: list[str] = []
+    for _, fields in entries:
+        v = fields.get(b"version") or fields.get("version")  # type: ignore[call-overload]
+        if v is not None:
+            out.append(v.decode() if isinstance(v, bytes) else str(v))
+    return out
+
+
+class VersionWatcher:
+    """Background follower of the version bus; calls ``on_version`` for each newer version, in order.
+
+    ``redis_factory`` builds a fresh client (a new connection after failures). Failures are logged
+    and retried with bounded exponential backoff; the key is re-read after every reconnect, so a
+    version published while the watcher was away is delivered on return.
+    """
+
+    def __init__(self, redis_factory: Callable[[], redis.Redis], keys: Keys,
+                 on_version: Callable[[WeightVersion], None] | None = None, poll_s: float = 1.0,
+                 backoff_max_s: float = 5.0) -> None:
+        self._factory, self._keys, self._on_version = redis_factory, keys, on_version
+        self._poll_s, self._backoff_max = poll_s, backoff_max_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.latest: WeightVersion | None = None
+        self.changed = threading.Condition()
+
+    def offer(self, wv: WeightVersion | None) -> bool:
+        """Accept ``wv`` if newer than what was seen; returns True when it was delivered."""
+        if wv is None:
+            return False
+        with self._lock:
+            if self.latest is not None and not version_newer(wv.version, self.latest.version):
+                return False
+            self.latest = wv
+        log.info("observed version=%s step=%d", wv.version, wv.step)
+        if self._on_version is not None:
+            self._on_version(wv)
+        with self.changed:
+            self.changed.notify_all()
+        return True
+
+    def refresh(self, r: redis.Redis) -> bool:
+        return self.offer(read_latest(r, self._keys))
+
+    def wait_for(self, predicate: Callable[[WeightVersion | None], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not predicate(self.latest):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+        return True
+
+    def start(self) -> VersionWatcher:
+        self._thread = threading.Thread(target=self._run, name="version-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                r = self._factory()
+                pubsub = r.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self._keys.weights_channel)
+                try:
+                    self.refresh(r)  # after subscribing: nothing published from now on can be missed
+                    backoff = 0.1
+                    while not self._stop.is_set():
+                        msg = pubsub.get_message(timeout=self._poll_s)
+                        # On a message *and* on every timer tick the key is the truth.
+                        self.refresh(r)
+                        if msg is None:
+                            continue
+                finally:
+                    try:
+                        pubsub.close()
+                    except redis.RedisError:
+                        pass
+            except (redis.RedisError, OSError, MalformedEntry) as exc:
+                log.warning("version watcher error (%s: %s); retrying in %.1fs", type(exc).__name__, exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self._backoff_max)
+
+
+def latest_as_dict(wv: WeightVersion | None) -> dict[str, Any]:
+    return json.loads(wv.model_dump_json()) if wv else {}
