@@ -242,7 +242,9 @@ def _describe(err: dict[str, Any]) -> str:
     bounds = [f"{op} {ctx[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if k in ctx]
     allowed = f" (allowed: {' and '.join(bounds)})" if bounds else ""
     secret = any(w in key for w in ("password", "api_key", "secret", "token"))
-    got = "<redacted>" if secret else repr(err.get("input"))  # secrets never reach logs
+    value = err.get("input")
+    # Secrets never reach logs; whole sections are not echoed either (they may hold one).
+    got = "<redacted>" if secret or isinstance(value, (dict, list)) else repr(value)
     return f"{key}: {err.get('msg')}{allowed}; got {got}"
 
 

