@@ -67,6 +67,10 @@ class EngineConfig(Section):
     max_queue: int = Field(default=1024, ge=1, le=100_000)
     seed: int = 0
     weight_version: str = "0"  # version reported before the first update
+    max_prefill_tokens: int = Field(default=8192, ge=1, le=1 << 24)  # padded prompt tokens per prefill pass
+    max_new_tokens_limit: int = Field(default=4096, ge=1, le=1 << 20)  # larger max_new_tokens -> 422
+    num_threads: int | None = Field(default=None, ge=1, le=1024)  # torch CPU threads; None = torch default
+    tokenizer_path: str | None = None  # default: the model directory
 
 
 class ProxyConfig(Section):
@@ -236,7 +240,7 @@ def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: Any) -> str:
     key = ".".join(str(p) for p in err.get("loc", ()))
     ctx = err.get("ctx") or {}
     bounds = [f"{op} {ctx[k]}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if k in ctx]
