@@ -51,7 +51,9 @@ def prompt_messages(prompt: str | Sequence[Any]) -> list[ChatMessage]:
             raise InvalidReference("prompt", "must be a non-empty string")
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, Sequence) or not prompt:
-        raise InvalidReference("prompt", f"must be a string or a non-empty list of messages, got {type(prompt).__name__}")
+        raise InvalidReference(
+            "prompt", f"must be a string or a non-empty list of messages, got {type(prompt).__name__}"
+        )
     out: list[ChatMessage] = []
     for i, m in enumerate(prompt):
         role = m.get("role") if isinstance(m, Mapping) else getattr(m, "role", None)

@@ -37,7 +37,9 @@ def validate_row(row: Any) -> dict[str, Any]:
             raise InvalidReference(key, "missing")
     unknown = sorted(set(row) - set(ROW_FIELDS) - set(OPTIONAL_FIELDS))
     if unknown:
-        raise InvalidReference(unknown[0], f"unknown field (allowed: {', '.join(ROW_FIELDS + OPTIONAL_FIELDS)})")
+        raise InvalidReference(
+            unknown[0], f"unknown field (allowed: {', '.join(ROW_FIELDS + OPTIONAL_FIELDS)})"
+        )
     if not isinstance(row["prompt_id"], str) or not row["prompt_id"]:
         raise InvalidReference("prompt_id", "must be a non-empty string")
     if "meta" in row and not isinstance(row["meta"], dict):
@@ -68,7 +70,9 @@ def load_dataset(path: str | Path) -> list[dict[str, Any]]:
             except InvalidReference as exc:
                 raise DatasetError(str(path), lineno, exc.field, exc.reason) from None
             if row["prompt_id"] in seen:
-                raise DatasetError(str(path), lineno, "prompt_id", f"duplicate of line {seen[row['prompt_id']]}")
+                raise DatasetError(
+                    str(path), lineno, "prompt_id", f"duplicate of line {seen[row['prompt_id']]}"
+                )
             seen[row["prompt_id"]] = lineno
             rows.append(row)
     return rows

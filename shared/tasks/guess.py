@@ -44,7 +44,9 @@ def parse_guess(reply: str) -> int | None:
 
 def _check_reference(reference: Any) -> tuple[int, int, int]:
     if not isinstance(reference, Mapping):
-        raise InvalidReference("reference", f"must be an object with low, high, secret; got {type(reference).__name__}")
+        raise InvalidReference(
+            "reference", f"must be an object with low, high, secret; got {type(reference).__name__}"
+        )
     values = []
     for key in ("low", "high", "secret"):
         v = reference.get(key)
@@ -56,7 +58,9 @@ def _check_reference(reference: Any) -> tuple[int, int, int]:
         raise InvalidReference("reference", f"unknown keys {extra}")
     low, high, secret = values
     if not LOWEST <= low <= high <= HIGHEST:
-        raise InvalidReference("reference.high", f"need {LOWEST} <= low <= high <= {HIGHEST}, got {low}..{high}")
+        raise InvalidReference(
+            "reference.high", f"need {LOWEST} <= low <= high <= {HIGHEST}, got {low}..{high}"
+        )
     if high - low + 1 > MAX_WIDTH:
         raise InvalidReference("reference.high", f"range {low}..{high} is wider than {MAX_WIDTH}")
     if not low <= secret <= high:
@@ -119,7 +123,9 @@ class GuessTask:
     def validate_reference(self, reference: Any) -> None:
         _check_reference(reference)
 
-    def _validated(self, prompt: str | Sequence[Any], reference: Any) -> tuple[list[ChatMessage], int, int, int]:
+    def _validated(
+        self, prompt: str | Sequence[Any], reference: Any
+    ) -> tuple[list[ChatMessage], int, int, int]:
         messages = prompt_messages(prompt)
         low, high, secret = _check_reference(reference)
         m = _PROMPT.fullmatch(prompt) if isinstance(prompt, str) else None
@@ -141,5 +147,9 @@ class GuessTask:
             if guess == secret:
                 return turns
             feedback = "higher" if secret > guess else "lower"
-            messages = [*messages, {"role": "assistant", "content": str(guess)}, {"role": "user", "content": feedback}]
+            messages = [
+                *messages,
+                {"role": "assistant", "content": str(guess)},
+                {"role": "user", "content": feedback},
+            ]
             low, high = (guess + 1, high) if secret > guess else (low, guess - 1)

@@ -19,7 +19,9 @@ from shared.tasks.registry import TASK_NAMES, get_task
 log = logging.getLogger(__name__)
 
 
-def split_rows(task_name: str, n_train: int, n_test: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split_rows(
+    task_name: str, n_train: int, n_test: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Disjoint train/test rows for a task, ids renumbered per split."""
     rows = get_task(task_name).generate(n_train + n_test, seed)
     train = [{**r, "prompt_id": f"{task_name}-train-{i:05d}"} for i, r in enumerate(rows[:n_train])]

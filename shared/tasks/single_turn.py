@@ -93,7 +93,9 @@ class _SingleTurnTask:
         if isinstance(prompt, str):
             implied = self.expected(prompt)
             if implied is not None and implied != answer:
-                raise InvalidReference("reference", f"{answer!r} is not the answer to {prompt!r} ({implied!r})")
+                raise InvalidReference(
+                    "reference", f"{answer!r} is not the answer to {prompt!r} ({implied!r})"
+                )
         return messages, answer
 
     def start(self, prompt: str | Sequence[Any], reference: Any) -> AnswerEpisode:

@@ -90,7 +90,14 @@ def test_guess_feedback_flow_and_reward_within_par() -> None:
     assert ep.messages()[-1] == {"role": "user", "content": "lower"}
     ep.step("30")
     assert ep.done and ep.turns == 3 and ep.correct() and ep.reward() == 1.0
-    assert [m["role"] for m in ep.messages()] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in ep.messages()] == [
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
 
 
 def test_guess_garbage_is_a_wasted_turn_and_reward_decreases_after_par() -> None:
@@ -195,7 +202,9 @@ def test_start_accepts_chat_messages_as_prompt() -> None:
         ("guess", "guess 20-33", GUESS_REF, "reference"),  # range disagrees with the prompt
     ],
 )
-def test_bad_reference_raises_named_error_naming_the_field(name: str, prompt: object, reference: object, field: str) -> None:
+def test_bad_reference_raises_named_error_naming_the_field(
+    name: str, prompt: object, reference: object, field: str
+) -> None:
     with pytest.raises(InvalidReference) as info:
         get_task(name).start(prompt, reference)  # type: ignore[arg-type]
     assert info.value.field == field and field in str(info.value)
@@ -207,11 +216,16 @@ def test_split_rows_are_disjoint_with_stable_ids() -> None:
         train, test = split_rows(name, 100, 20, seed=5)
         key = lambda r: (r["prompt"], json.dumps(r["reference"], sort_keys=True))  # noqa: E731
         assert not {key(r) for r in train} & {key(r) for r in test}
-        assert train[0]["prompt_id"] == f"{name}-train-00000" and test[-1]["prompt_id"] == f"{name}-test-00019"
+        assert (
+            train[0]["prompt_id"] == f"{name}-train-00000" and test[-1]["prompt_id"] == f"{name}-test-00019"
+        )
 
 
 def test_make_data_writes_loadable_files(tmp_path: Path) -> None:
-    assert make_data_main(["--out", str(tmp_path), "--train", "30", "--test", "5", "--tasks", "add", "guess"]) == 0
+    assert (
+        make_data_main(["--out", str(tmp_path), "--train", "30", "--test", "5", "--tasks", "add", "guess"])
+        == 0
+    )
     assert len(load_dataset(tmp_path / "add" / "train.jsonl")) == 30
     assert len(load_dataset(tmp_path / "guess" / "test.jsonl")) == 5
     assert not (tmp_path / "reverse").exists()
@@ -223,7 +237,9 @@ def test_shipped_datasets_load_and_are_disjoint() -> None:
         train, test = load_dataset(root / name / "train.jsonl"), load_dataset(root / name / "test.jsonl")
         assert len(train) == 2000 and len(test) == 200
         assert {r["task"] for r in train + test} == {name}
-        assert not {r["prompt"] + json.dumps(r["reference"]) for r in train} & {r["prompt"] + json.dumps(r["reference"]) for r in test}
+        assert not {r["prompt"] + json.dumps(r["reference"]) for r in train} & {
+            r["prompt"] + json.dumps(r["reference"]) for r in test
+        }
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:
@@ -242,9 +258,21 @@ GOOD = '{"prompt_id": "a", "task": "add", "prompt": "1+2=", "reference": "3"}'
         ("[1, 2]", "row", "JSON object"),
         ('{"task": "add", "prompt": "1+2=", "reference": "3"}', "prompt_id", "missing"),
         ('{"prompt_id": "b", "task": "sort", "prompt": "1+2=", "reference": "3"}', "task", "unknown task"),
-        ('{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "4"}', "reference", "not the answer"),
-        ('{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "3", "x": 1}', "x", "unknown field"),
-        ('{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "3", "meta": 1}', "meta", "object"),
+        (
+            '{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "4"}',
+            "reference",
+            "not the answer",
+        ),
+        (
+            '{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "3", "x": 1}',
+            "x",
+            "unknown field",
+        ),
+        (
+            '{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "3", "meta": 1}',
+            "meta",
+            "object",
+        ),
         ('{"prompt_id": "", "task": "add", "prompt": "1+2=", "reference": "3"}', "prompt_id", "non-empty"),
         (GOOD, "prompt_id", "duplicate of line 1"),
     ],
