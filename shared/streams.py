@@ -141,20 +141,28 @@ def _as_bytes(v: Any) -> bytes:
     return str(v).encode()
 
 
-def dead_letter(r: redis.Redis, keys: Keys, reason: str, error: str, source_stream: str,
-                source_id: bytes | str, fields: Mapping[Any, Any], ack_group: str | None = None,
-                maxlen: int | None = 100_000) -> bytes:
-    """Move an entry to ``{p}:dead`` with its original bytes and a reason, acknowledging it atomically."""
+def dead_letter_fields(reason: str, error: str, source_stream: str, source_id: bytes | str,
+                       fields: Mapping[Any, Any]) -> dict[str, bytes]:
+    """The ``{p}:dead`` entry for an entry (original bytes + reason), for callers that add it in their own MULTI."""
     from shared.codec import encode_entry  # local: codec imports schemas only; avoid a cycle at import
 
-    sid = _decode_key(source_id)
-    letter = DeadLetter(reason=reason, error=error[:4000], source_stream=source_stream, source_id=sid,
+    letter = DeadLetter(reason=reason, error=error[:4000], source_stream=source_stream,
+                        source_id=_decode_key(source_id),
                         fields={_decode_key(k): _as_bytes(v) for k, v in fields.items()})
     out = encode_entry(letter)
     for name in ("group_id", "attempt"):  # keep the ids greppable in redis-cli when the entry had them
         raw = fields.get(name.encode(), fields.get(name))
         if raw is not None:
             out[name] = _as_bytes(raw)[:256]
+    return out
+
+
+def dead_letter(r: redis.Redis, keys: Keys, reason: str, error: str, source_stream: str,
+                source_id: bytes | str, fields: Mapping[Any, Any], ack_group: str | None = None,
+                maxlen: int | None = 100_000) -> bytes:
+    """Move an entry to ``{p}:dead`` with its original bytes and a reason, acknowledging it atomically."""
+    sid = _decode_key(source_id)
+    out = dead_letter_fields(reason, error, source_stream, source_id, fields)
     pipe = r.pipeline(transaction=True)
     pipe.xadd(keys.dead, out, maxlen=maxlen, approximate=True) if maxlen else pipe.xadd(keys.dead, out)
     if ack_group is not None:
