@@ -1,0 +1,291 @@
+"""Procfile-style process supervision for ``dressage up``: start in tiers, watch, stop in reverse.
+
+Contract:
+* processes start tier by tier (lowest first); a tier whose processes have a ``ready`` probe is
+  waited for (probe true, or the process dies / times out -> ``ServiceFailed``) before the next starts;
+* every child runs in its own session (process group), so Ctrl-C reaches only the supervisor, which
+  then stops the children itself: SIGTERM to every process of the highest tier, wait up to
+  ``grace_s``, SIGKILL what is left, then the next tier down (workers stop before the proxy they use);
+* a child that exits ends the run: exit 0 of an ``ends_run`` process is success; exit 0 of a
+  ``may_finish`` process is noted and the others keep running; any other exit is a failure naming the
+  process, its exit code and the last lines of its log -- unless ``restart`` is on, in which case it is
+  started again after an exponential backoff (``RestartPolicy``, pure) until its budget is spent.
+The supervisor never leaves a child behind: ``stop()`` is idempotent and runs on every exit path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+from shared.errors import DressageError
+
+log = logging.getLogger(__name__)
+
+
+class ServiceFailed(DressageError):
+    """A supervised process died (or never became ready); carries its name, exit code and log tail."""
+
+    def __init__(self, name: str, exit_code: int | None, tail: str, why: str = "exited") -> None:
+        super().__init__(f"{name} {why} (exit code {exit_code})")
+        self.name, self.exit_code, self.tail, self.why = name, exit_code, tail, why
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str  # unique, e.g. "rollout-worker-2"
+    argv: Sequence[str]
+    env: dict[str, str] = field(default_factory=dict)  # merged over os.environ
+    log_path: Path | None = None  # stdout+stderr appended here; None = inherit the supervisor's
+    tier: int = 0  # start order; stopped in reverse
+    ready: Callable[[], bool] | None = None  # readiness probe polled after start
+    ready_timeout_s: float = 120.0
+    ends_run: bool = False  # exit 0 ends the run successfully (the trainer after max_steps)
+    may_finish: bool = False  # exit 0 is a normal end of this process only (not restarted)
+    cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Pure backoff arithmetic: delay before restart number ``n`` (0-based) of one process."""
+
+    base_s: float = 1.0
+    cap_s: float = 30.0
+    max_restarts: int = 10  # per process, reset after a run of at least ``stable_s``
+    stable_s: float = 60.0
+
+    def delay(self, n: int) -> float:
+        return float(min(self.cap_s, self.base_s * (2 ** max(0, n))))
+
+    def count_after(self, previous: int, uptime_s: float) -> int:
+        """Restart count to use after a process ran ``uptime_s``: a long healthy run resets it."""
+        return 0 if uptime_s >= self.stable_s else previous
+
+    def exhausted(self, n: int) -> bool:
+        return n >= self.max_restarts
+
+
+@dataclass
+class RunResult:
+    outcome: Literal["finished", "failed", "stopped"]
+    name: str | None = None  # the process that ended (or broke) the run
+    exit_code: int | None = None
+    tail: str = ""
+    why: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome != "failed"
+
+    def describe(self) -> str:
+        if self.outcome == "finished":
+            return f"run finished: {self.name} exited 0"
+        if self.outcome == "stopped":
+            return f"run stopped ({self.why or 'signal'})"
+        return f"run failed: {self.name} {self.why} with exit code {self.exit_code}"
+
+
+def tail_lines(path: Path | None, n: int = 20, max_bytes: int = 64_000) -> str:
+    """The last ``n`` lines of a log file (bounded read), or "" when there is none."""
+    if path is None or not path.exists():
+        return ""
+    with path.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(max(0, size - max_bytes))
+        data = fh.read().decode("utf-8", errors="replace")
+    return "\n".join(data.splitlines()[-n:])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: deliver SIGTERM to the child when the supervisor dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen[bytes] | None = None
+    log_fh: IO[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None  # scheduled restart time (monotonic)
+    finished: bool = False  # a may_finish process that exited 0
+
+
+class Supervisor:
+    def __init__(self, specs: Sequence[ProcessSpec], restart: bool = False, grace_s: float = 30.0,
+                 policy: RestartPolicy | None = None, poll_s: float = 0.2) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate process names: {names}")
+        self.children = [_Child(s) for s in specs]
+        self.restart, self.grace_s, self.poll_s = restart, grace_s, poll_s
+        self.policy = policy or RestartPolicy()
+        self._stopped = False
+
+    # -- starting -------------------------------------------------------------------------
+    def _spawn(self, child: _Child) -> None:
+        spec = child.spec
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        out: IO[bytes] | None = None
+        if spec.log_path is not None:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = spec.log_path.open("ab")
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}: "
+                      f"{' '.join(spec.argv)}\n".encode())
+            out.flush()
+        child.log_fh = out
+        child.proc = subprocess.Popen(
+            list(spec.argv), env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT if out else None, start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        log.info("started %s pid=%d", spec.name, child.proc.pid)
+
+    def start(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        """Start every tier in order, waiting for readiness probes; raises ``ServiceFailed``."""
+        for tier in sorted({c.spec.tier for c in self.children}):
+            group = [c for c in self.children if c.spec.tier == tier]
+            for child in group:
+                self._spawn(child)
+            for child in group:
+                if child.spec.ready is not None:
+                    self._wait_ready(child, stop_requested)
+            if stop_requested():
+                return
+
+    def _wait_ready(self, child: _Child, stop_requested: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + child.spec.ready_timeout_s
+        assert child.proc is not None and child.spec.ready is not None
+        while not stop_requested():
+            code = child.proc.poll()
+            if code is not None:
+                raise ServiceFailed(child.spec.name, code, tail_lines(child.spec.log_path),
+                                    "exited before it was ready")
+            if child.spec.ready():
+                log.info("%s is ready", child.spec.name)
+                return
+            if time.monotonic() > deadline:
+                raise ServiceFailed(child.spec.name, None, tail_lines(child.spec.log_path),
+                                    f"was not ready within {child.spec.ready_timeout_s:.0f}s")
+            time.sleep(self.poll_s)
+
+    # -- watching -------------------------------------------------------------------------
+    def poll(self) -> RunResult | None:
+        """Reap exited children, schedule/perform restarts; a result when the run must end."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.finished:
+                continue
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    log.warning("restarting %s (restart %d)", child.spec.name, child.restarts)
+                    self._spawn(child)
+                continue
+            if child.proc is None:
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            self._close_log(child)
+            spec = child.spec
+            if code == 0 and spec.ends_run:
+                return RunResult("finished", spec.name, 0)
+            if code == 0 and spec.may_finish:
+                log.info("%s finished (exit 0)", spec.name)
+                child.finished = True
+                continue
+            tail = tail_lines(spec.log_path)
+            if self.restart:
+                child.restarts = self.policy.count_after(child.restarts, now - child.started_at)
+                if not self.policy.exhausted(child.restarts):
+                    delay = self.policy.delay(child.restarts)
+                    child.restarts += 1
+                    child.restart_at = now + delay
+                    log.warning("%s exited with code %s; restarting in %.1fs", spec.name, code, delay)
+                    continue
+                return RunResult("failed", spec.name, code, tail, f"exited {child.restarts} times")
+            return RunResult("failed", spec.name, code, tail, "exited")
+        return None
+
+    def run(self, stop_requested: Callable[[], bool], tick: Callable[[], None] | None = None,
+            tick_every_s: float = 1.0) -> RunResult:
+        """Start everything, watch until a result or a stop request, always stop the children."""
+        try:
+            try:
+                self.start(stop_requested)
+            except ServiceFailed as exc:
+                return RunResult("failed", exc.name, exc.exit_code, exc.tail, exc.why)
+            last_tick = 0.0
+            while not stop_requested():
+                result = self.poll()
+                if result is not None:
+                    return result
+                if tick is not None and time.monotonic() - last_tick >= tick_every_s:
+                    tick()
+                    last_tick = time.monotonic()
+                time.sleep(self.poll_s)
+            return RunResult("stopped", why="stop requested")
+        finally:
+            self.stop()
+
+    # -- stopping -------------------------------------------------------------------------
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM tier by tier from the highest, wait ``grace_s``, SIGKILL the rest. Exit codes by name."""
+        codes: dict[str, int | None] = {}
+        if self._stopped:
+            return {c.spec.name: (c.proc.returncode if c.proc else None) for c in self.children}
+        self._stopped = True
+        for tier in sorted({c.spec.tier for c in self.children}, reverse=True):
+            group = [c for c in self.children if c.spec.tier == tier and c.proc is not None]
+            alive = [c for c in group if c.proc is not None and c.proc.poll() is None]
+            for child in alive:
+                self._signal(child, signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            for child in alive:
+                assert child.proc is not None
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0fs: SIGKILL", child.spec.name, self.grace_s)
+                    self._signal(child, signal.SIGKILL)
+                    child.proc.wait(10)
+            for child in group:
+                assert child.proc is not None
+                # The process group may hold grandchildren (e.g. an rq work horse): reap them too.
+                self._signal(child, signal.SIGKILL, group_only=True)
+                codes[child.spec.name] = child.proc.returncode
+                self._close_log(child)
+        return codes
+
+    @staticmethod
+    def _signal(child: _Child, sig: int, group_only: bool = False) -> None:
+        assert child.proc is not None
+        try:
+            os.killpg(child.proc.pid, sig)  # own session: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            if not group_only and child.proc.poll() is None:
+                child.proc.send_signal(sig)
+
+    @staticmethod
+    def _close_log(child: _Child) -> None:
+        if child.log_fh is not None:
+            child.log_fh.close()
+            child.log_fh = None
+
+    def pids(self) -> dict[str, int]:
+        return {c.spec.name: c.proc.pid for c in self.children if c.proc is not None}

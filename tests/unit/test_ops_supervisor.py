@@ -1,0 +1,160 @@
+"""The supervisor with real (tiny) child processes: crash, hang, finish, restart, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.ops.supervisor import ProcessSpec, RestartPolicy, RunResult, ServiceFailed, Supervisor, tail_lines
+
+PY = sys.executable
+SLEEP = "import time\nwhile True: time.sleep(0.05)"
+
+
+def spec(name: str, code: str, tmp_path: Path, **kw: object) -> ProcessSpec:
+    return ProcessSpec(name=name, argv=[PY, "-c", code], log_path=tmp_path / f"{name}.log", **kw)  # type: ignore[arg-type]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); read its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def run_until(sup: Supervisor, timeout: float = 10.0) -> RunResult:
+    deadline = time.monotonic() + timeout
+    return sup.run(stop_requested=lambda: time.monotonic() > deadline)
+
+
+def test_crash_stops_the_run_with_name_exit_code_and_log_tail(tmp_path: Path) -> None:
+    sup = Supervisor([spec("steady", SLEEP, tmp_path),
+                      spec("crasher", "import sys, time\nprint('about to fail', flush=True)\n"
+                                      "time.sleep(0.3)\nsys.exit(3)", tmp_path)], grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "failed"
+    assert (result.name, result.exit_code) == ("crasher", 3)
+    assert "about to fail" in result.tail
+    assert "crasher" in result.describe() and "3" in result.describe()
+    assert not any(alive(pid) for pid in sup.pids().values())  # the steady one was stopped too
+
+
+def test_ends_run_exit_zero_finishes_and_stops_the_others(tmp_path: Path) -> None:
+    sup = Supervisor([spec("server", SLEEP, tmp_path, tier=0),
+                      spec("trainer", "import time\ntime.sleep(0.3)", tmp_path, tier=1, ends_run=True)],
+                     grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "finished" and result.name == "trainer" and result.ok
+    assert not alive(sup.pids()["server"])
+
+
+def test_may_finish_exit_zero_keeps_the_run_going(tmp_path: Path) -> None:
+    sup = Supervisor([spec("buffer", "pass", tmp_path, may_finish=True),
+                      spec("trainer", "import time\ntime.sleep(0.8)", tmp_path, ends_run=True)], grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "finished" and result.name == "trainer"
+
+
+def test_stop_request_stops_in_reverse_tier_order(tmp_path: Path) -> None:
+    order = tmp_path / "order.txt"
+    # Each child appends its name to a shared file when it gets SIGTERM.
+    code = ("import signal, sys, time\n"
+            "def h(*a):\n"
+            f"    open({str(order)!r}, 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, h)\n"
+            "print('up', flush=True)\n"
+            "while True: time.sleep(0.05)\n")
+    specs = [ProcessSpec(name=n, argv=[PY, "-c", code, n], log_path=tmp_path / f"{n}.log", tier=t)
+             for n, t in (("engine", 0), ("proxy", 1), ("worker-1", 2), ("worker-2", 2))]
+    sup = Supervisor(specs, grace_s=5)
+    t0 = time.monotonic()
+    result = sup.run(stop_requested=lambda: time.monotonic() - t0 > 1.5)
+    assert result.outcome == "stopped"
+    names = order.read_text().split()
+    assert sorted(names[:2]) == ["worker-1", "worker-2"] and names[2:] == ["proxy", "engine"]
+    assert all(code == 0 for code in sup.stop().values())
+
+
+def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(0.05)"
+    sup = Supervisor([spec("stubborn", code, tmp_path)], grace_s=0.5)
+    sup.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    codes = sup.stop()
+    assert codes["stubborn"] == -signal.SIGKILL
+    assert time.monotonic() - t0 < 5
+    assert sup.stop() == codes  # idempotent
+
+
+def test_restart_with_backoff_then_budget_exhausted(tmp_path: Path) -> None:
+    counter = tmp_path / "count.txt"
+    code = f"open({str(counter)!r}, 'a').write('x')\nraise SystemExit(7)"
+    policy = RestartPolicy(base_s=0.05, cap_s=0.2, max_restarts=3)
+    sup = Supervisor([spec("flaky", code, tmp_path), spec("steady", SLEEP, tmp_path)], restart=True,
+                     policy=policy, grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "failed" and result.name == "flaky" and result.exit_code == 7
+    assert len(counter.read_text()) == 4  # first run + 3 restarts
+
+
+def test_restart_recovers_a_process_that_crashes_once(tmp_path: Path) -> None:
+    marker = tmp_path / "crashed-once"
+    code = (f"import os, sys, time\nm = {str(marker)!r}\n"
+            "if not os.path.exists(m):\n    open(m, 'w').close(); sys.exit(5)\n"
+            "time.sleep(0.5)\n")
+    sup = Supervisor([spec("trainer", code, tmp_path, ends_run=True)], restart=True,
+                     policy=RestartPolicy(base_s=0.05), grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "finished" and result.name == "trainer"
+    log_text = (tmp_path / "trainer.log").read_text()
+    assert log_text.count("starting trainer") == 2
+
+
+def test_readiness_probe_gates_the_next_tier(tmp_path: Path) -> None:
+    flag = tmp_path / "ready"
+    first = spec("engine", f"import time\ntime.sleep(0.4)\nopen({str(flag)!r}, 'w').close()\n{SLEEP}",
+                 tmp_path, tier=0, ready=flag.exists)
+    # The second tier checks that the first was ready before it started.
+    second = spec("worker", f"import os, sys\nsys.exit(0 if os.path.exists({str(flag)!r}) else 9)",
+                  tmp_path, tier=1, ends_run=True)
+    result = run_until(Supervisor([first, second], grace_s=5))
+    assert result.outcome == "finished" and result.name == "worker"
+
+
+def test_process_dying_before_ready_is_reported(tmp_path: Path) -> None:
+    sup = Supervisor([spec("engine", "import sys\nprint('bad model path', flush=True)\nsys.exit(2)",
+                           tmp_path, ready=lambda: False)], grace_s=5)
+    with pytest.raises(ServiceFailed) as err:
+        sup.start()
+    sup.stop()
+    assert err.value.name == "engine" and err.value.exit_code == 2 and "bad model path" in err.value.tail
+
+
+def test_policy_backoff_is_exponential_and_capped() -> None:
+    p = RestartPolicy(base_s=1, cap_s=10, max_restarts=3, stable_s=60)
+    assert [p.delay(n) for n in range(6)] == [1, 2, 4, 8, 10, 10]
+    assert p.count_after(2, uptime_s=5) == 2 and p.count_after(2, uptime_s=61) == 0
+    assert not p.exhausted(2) and p.exhausted(3)
+
+
+def test_tail_lines_reads_only_the_end(tmp_path: Path) -> None:
+    log_file = tmp_path / "x.log"
+    log_file.write_text("".join(f"line {i}\n" for i in range(1000)))
+    assert tail_lines(log_file, 3).splitlines() == ["line 997", "line 998", "line 999"]
+    assert tail_lines(tmp_path / "missing.log") == ""
+
+
+def test_duplicate_names_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="duplicate"):
+        Supervisor([spec("a", "pass", tmp_path), spec("a", "pass", tmp_path)])
