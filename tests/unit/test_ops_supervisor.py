@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.supervisor import ProcessSpec, RestartPolicy, RunResult, ServiceFailed, Supervisor, tail_lines
+from services.ops.supervisor import (
+    ProcessSpec,
+    RestartPolicy,
+    RunResult,
+    ServiceFailed,
+    Supervisor,
+    tail_lines,
+)
 
 PY = sys.executable
 SLEEP = "import time\nwhile True: time.sleep(0.05)"
