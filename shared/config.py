@@ -123,6 +123,11 @@ class RolloutConfig(Section):
     block_ms: int = Field(default=1000, ge=1, le=60_000)
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)  # None = the task's own limit
+    # Black-box agent: an external command run once per trajectory (argv, no shell), with
+    # OPENAI_BASE_URL pointing at its proxy session; None = the in-process white-box runner.
+    agent_command: list[str] | None = Field(default=None, min_length=1, max_length=64)
+    agent_tasks: list[str] | None = None  # tasks that use agent_command; None = every task
+    session_cleanup_timeout_s: float = Field(default=5.0, gt=0, le=300)  # DELETE of proxy sessions
 
 
 class StalenessSection(Section):
@@ -165,6 +170,13 @@ class TrainConfig(Section):
     seed: int = 0
     block_ms: int = Field(default=1000, ge=1, le=60_000)
     claim_idle_ms: int = Field(default=600_000, ge=100, le=86_400_000)
+    # --- trainer engineer additions ---
+    # Stable consumer name in group `trainer`: a restarted trainer re-reads its own pending batches first.
+    consumer: str = Field(default="trainer", min_length=1, max_length=128)
+    # Consumed stream entry ids remembered in trainer_state.pt to ACK (never retrain) re-delivered batches.
+    remember_batch_ids: int = Field(default=10_000, ge=1, le=10_000_000)
+    tensorboard_dir: str | None = None  # write TensorBoard scalars here when tensorboard is importable
+    wandb_project: str | None = None  # log to wandb when importable (never required)
 
 
 class EvalConfig(Section):
@@ -174,6 +186,10 @@ class EvalConfig(Section):
     dataset: str = "data/reverse/test.jsonl"
     n_examples: int = Field(default=64, ge=1, le=1_000_000)
     queue: str = "dressage-eval"
+    # --- trainer engineer additions ---
+    job_timeout_s: int = Field(default=1800, ge=10, le=86_400)  # rq job timeout per evaluation
+    batch_size: int = Field(default=64, ge=1, le=4096)  # prompts decoded together (greedy)
+    device: str = "cpu"  # where the eval worker loads the checkpoint
 
 
 class OpsConfig(Section):
@@ -183,6 +199,11 @@ class OpsConfig(Section):
     heartbeat_ttl_s: float = Field(default=15.0, gt=0, le=3600)
     metrics_maxlen: int = Field(default=100_000, ge=100)
     metrics_port_base: int | None = Field(default=None, ge=1, le=65535)  # Prometheus ports per service
+    # --- ops engineer additions (dressage up) ---
+    workers: int = Field(default=2, ge=1, le=256)  # rollout-worker replicas started by `dressage up`
+    stop_grace_s: float = Field(default=30.0, ge=0, le=3600)  # SIGTERM -> SIGKILL wait per service tier
+    ready_timeout_s: float = Field(default=180.0, gt=0, le=3600)  # engine/proxy /health wait at start
+    restart_max: int = Field(default=10, ge=0, le=10_000)  # `up --restart`: restarts per service before giving up
 
 
 class DressageConfig(Section):
