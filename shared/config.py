@@ -90,6 +90,13 @@ class ProxyConfig(Section):
     session_ttl_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
     request_timeout_s: float = Field(default=600.0, gt=0, le=86400)
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    # --- added by the proxy (services/proxy) ---
+    tokenizer_path: str | None = None  # chat template + tokenizer directory; None = model.path
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=60)  # engine connect timeout: a dead engine is a fast 503
+    pause_timeout_s: float = Field(default=30.0, ge=0, le=3600)  # pause waits this long for in-flight rids to return
+    follow_versions: bool = True  # follow the version bus ({p}:weights) and load new weights into the engines
+    max_sessions: int = Field(default=100_000, ge=1, le=10_000_000)  # live sessions; beyond -> 503 over_capacity
+    max_turns_per_session: int = Field(default=1000, ge=1, le=1_000_000)  # beyond -> 409 session_conflict
 
 
 class PromptBufferConfig(Section):
