@@ -1,0 +1,5 @@
+"""``python -m services.engine`` is ``dressage engine``."""
+
+from services.engine.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""`dressage engine`: wires config, model, scheduler thread and the HTTP app, then serves.
+
+Only wiring here: the batching logic is in `scheduler.py`, the routes in `app.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import uvicorn
+
+from services.engine.app import EngineService, build_app
+from services.engine.runner import ModelRunner
+from services.engine.scheduler import Scheduler
+from shared.config import DressageConfig, load_config
+from shared.logs import setup_logging
+from shared.modeling import load_model, load_tokenizer, stop_token_ids
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dressage engine", description="CPU engine with SGLang's HTTP API")
+    p.add_argument("--config", help="YAML config (section `engine`); env DRESSAGE_ENGINE_* overrides")
+    p.add_argument("--host", help="override engine.host")
+    p.add_argument("--port", type=int, help="override engine.port")
+    p.add_argument("--model-path", help="override engine.model_path (default: model.path)")
+    p.add_argument("--weight-version", help="override engine.weight_version")
+    return p.parse_args(argv)
+
+
+def build_service(cfg: DressageConfig) -> EngineService:
+    """Load model + tokenizer, start the scheduler thread, return the service the app wraps."""
+    ec = cfg.engine
+    if ec.num_threads:
+        torch.set_num_threads(ec.num_threads)
+    torch.manual_seed(ec.seed)
+    model_path = ec.model_path or cfg.model.path
+    tok = load_tokenizer(ec.tokenizer_path or model_path)
+    model = load_model(model_path, device=ec.device, dtype=ec.dtype)
+    eos = set(stop_token_ids(tok))
+    gen_eos = model.generation_config.eos_token_id
+    eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    runner = ModelRunner(model, pad_token_id=int(tok.pad_token_id or 0))
+    sched = Scheduler(runner, weight_version=ec.weight_version, model_path=model_path,
+                      max_batch_size=ec.max_batch_size, max_queue=ec.max_queue,
+                      max_prefill_tokens=ec.max_prefill_tokens, seed=ec.seed)
+    sched.start()
+    log.info("engine ready model_path=%s version=%s max_batch_size=%d threads=%d", model_path,
+             ec.weight_version, ec.max_batch_size, torch.get_num_threads())
+    return EngineService(sched, tok, eos_ids=eos, max_new_tokens_limit=ec.max_new_tokens_limit,
+                         tokenizer_path=ec.tokenizer_path or model_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port, "model_path": args.model_path,
+                                   "weight_version": args.weight_version}.items() if v is not None}
+    cfg = load_config(args.config, overrides={"engine": overrides})
+    setup_logging("engine")
+    service = build_service(cfg)
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.engine.host, port=cfg.engine.port,
+                                           log_level="warning", access_log=False))
+    try:
+        server.run()  # returns on SIGTERM/SIGINT after in-flight requests were answered
+    finally:
+        service.scheduler.stop()
+    return 0

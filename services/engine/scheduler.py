@@ -1,0 +1,331 @@
+"""Continuous batching core: requests join and leave one running batch between forward passes.
+
+Invariants:
+
+* Only the scheduler thread touches the model, the KV cache and request state. Other threads
+  call `submit`, `abort`, `pause`, `resume` and `swap_weights`, which only enqueue a command;
+  commands run between two forward passes.
+* A weight swap happens only between two forward passes (never inside one token). Every output
+  token carries the version of the weights that produced it (`GenResult.output_versions`);
+  `GenResult.weight_version` is the version of the last token. Requests in flight during a swap
+  keep their KV cache (computed with the old weights, as SGLang does) and go on with the new ones.
+* Every submitted request finishes exactly once (stop, length or abort) and its callback runs
+  exactly once, on the scheduler thread. An aborted request returns the tokens produced so far.
+* A rid is live from `submit` until its callback runs; submitting a live rid raises
+  `DuplicateRequest` at once.
+* While paused no forward pass runs and new requests wait; pausing in mode "abort" first aborts
+  every request then in the engine (running or waiting). Modes "in_place" and "retract" keep
+  them: their KV stays in memory and they continue after `resume`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from services.engine.kv import PaddedKV
+from services.engine.requests import (
+    DoneCallback,
+    DuplicateRequest,
+    EngineBusy,
+    GenRequest,
+    GenResult,
+    InvalidRequest,
+    abort_reason,
+    length_reason,
+    stop_reason,
+)
+from services.engine.runner import ModelRunner
+from services.engine.sampling import BatchSampler
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+PauseMode = Literal["abort", "in_place", "retract"]
+
+
+@dataclass
+class _Seq:
+    """One request inside the engine (waiting or running)."""
+
+    req: GenRequest
+    on_done: DoneCallback
+    budget: int  # max_new_tokens clamped to the context
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+
+
+class Scheduler:
+    """See the module docstring. Drive it with `start()` (own thread) or `step()` (tests)."""
+
+    def __init__(self, runner: ModelRunner, *, weight_version: str = "0", model_path: str = "",
+                 max_batch_size: int = 32, max_queue: int = 1024, max_prefill_tokens: int = 8192,
+                 seed: int = 0) -> None:
+        self.runner = runner
+        self.weight_version = weight_version
+        self.model_path = model_path
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens
+        self.paused = False
+        self.stats = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0, "aborted": 0, "swaps": 0}
+        self._rng = random.Random(seed)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live: set[str] = set()
+        self._waiting: deque[_Seq] = deque()
+        self._rows: list[_Seq] = []  # aligned with the rows of self._kv
+        self._kv: PaddedKV | None = None
+        self._last = torch.zeros(0, dtype=torch.long)  # token each row feeds next
+        self._sampler: BatchSampler | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ----- thread-safe API -------------------------------------------------------------------
+    def submit(self, req: GenRequest, on_done: DoneCallback) -> None:
+        """Queue `req`; raises InvalidRequest, DuplicateRequest or EngineBusy without queueing."""
+        self._validate(req)
+        budget = min(req.max_new_tokens, self.runner.context_len - len(req.input_ids))
+        with self._lock:
+            if req.rid in self._live:
+                raise DuplicateRequest(f"rid {req.rid!r} is already in flight")
+            if len(self._live) >= self.max_batch_size + self.max_queue:
+                raise EngineBusy(f"{len(self._live)} requests in the engine (max_queue={self.max_queue})")
+            self._live.add(req.rid)
+        seq = _Seq(req, on_done, budget)
+        self._commands.put(lambda: self._waiting.append(seq))
+
+    def abort(self, rid: str) -> Future[bool]:
+        """Abort `rid` (True if it was in the engine)."""
+        return self._call(lambda: self._abort(lambda s: s.req.rid == rid, "aborted by request") > 0)
+
+    def abort_all(self, message: str = "aborted by request") -> Future[int]:
+        return self._call(lambda: self._abort(lambda s: True, message))
+
+    def pause(self, mode: PauseMode = "abort") -> Future[int]:
+        """Stop forward passes; in mode "abort" abort every request first. Returns how many."""
+        def run() -> int:
+            n = self._abort(lambda s: True, "aborted by pause_generation") if mode == "abort" else 0
+            self.paused = True
+            log.info("paused mode=%s aborted=%d version=%s", mode, n, self.weight_version)
+            return n
+        return self._call(run)
+
+    def resume(self) -> Future[None]:
+        def run() -> None:
+            self.paused = False
+            log.info("continued version=%s", self.weight_version)
+        return self._call(run)
+
+    def swap_weights(self, state: dict[str, torch.Tensor], version: str, model_path: str,
+                     abort_all: bool = False) -> Future[int]:
+        """Load checked `state` between two forward passes; returns the number of requests aborted."""
+        def run() -> int:
+            n = self._abort(lambda s: True, "aborted by weight update") if abort_all else 0
+            self.runner.load_state(state)
+            old, self.weight_version, self.model_path = self.weight_version, version, model_path
+            self.stats["swaps"] += 1
+            log.info("weights swapped version=%s previous=%s path=%s running=%d", version, old,
+                     model_path, len(self._rows))
+            return n
+        return self._call(run)
+
+    def counts(self) -> dict[str, Any]:
+        return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self.paused,
+                "weight_version": self.weight_version, **self.stats}
+
+    # ----- thread ---------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """True while the scheduler thread runs (also True when driven by `step()` in tests)."""
+        return self._thread is None or self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)  # wake an idle loop
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            try:
+                if not self.step():
+                    cmd = self._get_command(timeout=0.5)  # idle: sleep until a command arrives
+                    if cmd is not None:
+                        cmd()
+            except Exception:  # a failing forward must not hang its callers: fail them, go on
+                log.exception("engine step failed; aborting %d running requests", len(self._rows))
+                self._remove({i: abort_reason("engine error") for i in range(len(self._rows))})
+        self._drain()
+        self._abort(lambda s: True, "engine shutting down")
+
+    def _get_command(self, timeout: float) -> Callable[[], None] | None:
+        try:
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # ----- one iteration ----------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run pending commands, admit and prefill joiners, decode one token. True if it computed."""
+        self._drain()
+        if self.paused:
+            return False
+        joiners = self._admit()
+        if joiners:
+            self._prefill(joiners)
+        if self._rows:
+            self._decode()
+        return bool(joiners or self._rows)
+
+    def _drain(self) -> None:
+        while (cmd := self._get_command(timeout=0)) is not None:
+            cmd()
+
+    def _call(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # handed to the caller through the future
+                fut.set_exception(exc)
+        self._commands.put(run)
+        return fut
+
+    def _validate(self, req: GenRequest) -> None:
+        if not req.input_ids:
+            raise InvalidRequest("input_ids", "must not be empty")
+        vocab = self.runner.vocab_size
+        bad = next((i for i, t in enumerate(req.input_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"input_ids[{bad}]", f"{req.input_ids[bad]} is outside the vocabulary 0..{vocab - 1}")
+        if len(req.input_ids) >= self.runner.context_len:
+            raise InvalidRequest("input_ids", f"{len(req.input_ids)} tokens leave no room in the "
+                                              f"context of {self.runner.context_len}")
+
+    def _admit(self) -> list[_Seq]:
+        joiners: list[_Seq] = []
+        widest = 0
+        while self._waiting and len(self._rows) + len(joiners) < self.max_batch_size:
+            n = len(self._waiting[0].req.input_ids)
+            if joiners and max(widest, n) * (len(joiners) + 1) > self.max_prefill_tokens:
+                break
+            widest = max(widest, n)
+            joiners.append(self._waiting.popleft())
+        return joiners
+
+    def _prefill(self, joiners: list[_Seq]) -> None:
+        want = [i for i, s in enumerate(joiners) if s.req.logprob_start_len >= 0]
+        out = self.runner.prefill([s.req.input_ids for s in joiners], logprob_rows=want)
+        self.stats["prefills"] += 1
+        for i in want:
+            start = joiners[i].req.logprob_start_len
+            lps: list[float | None] = [None, *out.logprobs[i]] if out.logprobs else []
+            joiners[i].input_logprobs = lps[start:]
+        sampler = BatchSampler([s.req.sampling for s in joiners], self.runner.vocab_size)
+        tokens = self._sample(sampler, joiners, out.last_logits)
+        done = {i: length_reason(0) for i, s in enumerate(joiners) if s.budget <= 0}
+        done.update(self._record(joiners, tokens, skip=done))
+        keep = [i for i in range(len(joiners)) if i not in done]
+        for i, reason in done.items():
+            self._finish(joiners[i], reason)
+        if not keep:
+            return
+        out.kv.select(keep)
+        self._kv = out.kv if self._kv is None else PaddedKV.concat(self._kv, out.kv)
+        self._rows.extend(joiners[i] for i in keep)
+        self._last = torch.cat([self._last, tokens[0][keep]])
+        self._sampler = None
+
+    def _decode(self) -> None:
+        assert self._kv is not None
+        logits = self.runner.decode(self._kv, self._last)
+        self.stats["decode_steps"] += 1
+        if self._sampler is None:
+            self._sampler = BatchSampler([s.req.sampling for s in self._rows], self.runner.vocab_size)
+        tokens = self._sample(self._sampler, self._rows, logits)
+        self._last = tokens[0]
+        done = self._record(self._rows, tokens)
+        if done:
+            self._remove(done)
+
+    def _sample(self, sampler: BatchSampler, seqs: list[_Seq],
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        u = None if sampler.all_greedy else sampler.uniforms([len(s.out) for s in seqs], self._rng)
+        return sampler.sample(logits, u)
+
+    def _record(self, seqs: list[_Seq], tokens: tuple[torch.Tensor, torch.Tensor],
+                skip: dict[int, Any] | None = None) -> dict[int, dict[str, Any]]:
+        """Append each row's new token; return {row: finish reason} for rows that finished."""
+        version, done = self.weight_version, {}
+        for i, (tok, lp) in enumerate(zip(tokens[0].tolist(), tokens[1].tolist(), strict=True)):
+            if skip and i in skip:
+                continue
+            s = seqs[i]
+            s.out.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(version)
+            if tok in s.req.stop_token_ids:
+                done[i] = stop_reason(tok)
+            elif len(s.out) >= s.budget:
+                done[i] = length_reason(len(s.out))
+        self.stats["generated_tokens"] += len(seqs) - len(skip or ())
+        return done
+
+    def _remove(self, reasons: dict[int, dict[str, Any]]) -> None:
+        """Finish the running rows in `reasons` (row -> finish reason) and drop them from the batch."""
+        gone = set(reasons)
+        for i, reason in reasons.items():
+            self._finish(self._rows[i], reason)
+        keep = [i for i in range(len(self._rows)) if i not in gone]
+        self._rows = [self._rows[i] for i in keep]
+        self._last = self._last[keep]
+        self._sampler = None
+        if not keep:
+            self._kv = None
+        elif self._kv is not None:
+            self._kv.select(keep)
+
+    def _abort(self, match: Callable[[_Seq], bool], message: str) -> int:
+        reason = abort_reason(message)
+        waiting = [s for s in self._waiting if match(s)]
+        for s in waiting:
+            self._waiting.remove(s)
+            self._finish(s, reason)
+        running = {i: reason for i, s in enumerate(self._rows) if match(s)}
+        if running:
+            self._remove(running)
+        self.stats["aborted"] += len(waiting) + len(running)
+        return len(waiting) + len(running)
+
+    def _finish(self, s: _Seq, reason: dict[str, Any]) -> None:
+        result = GenResult(
+            rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out,
+            output_logprobs=s.logprobs, output_versions=s.versions, finish_reason=reason,
+            weight_version=s.versions[-1] if s.versions else self.weight_version,
+            input_logprobs=s.input_logprobs,
+        )
+        with self._lock:
+            self._live.discard(s.req.rid)
+        log.debug("finished rid=%s reason=%s tokens=%d version=%s", s.req.rid, reason["type"],
+                  len(s.out), result.weight_version)
+        try:
+            s.on_done(result)
+        except Exception:  # a broken callback must not take the batch down
+            log.exception("on_done callback failed rid=%s", s.req.rid)
