@@ -1,0 +1,110 @@
+"""What ``dressage up`` runs: the process list of a local deployment, computed from config + options.
+
+Pure apart from reading nothing: given a validated config and the run's choices (Redis URL, prefix,
+run directory, ports, worker count) it returns ``ProcessSpec``s. Every child gets the same
+``--config`` file plus env overrides (``DRESSAGE_<SECTION>_<KEY>``) that pin it to this run:
+Redis URL and prefix, checkpoint directory, engine/proxy ports, the eval queue, ``max_steps``.
+Tiers give the start order (and reverse stop order): engine, proxy, consumers, prompt-buffer, workers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.ops.supervisor import ProcessSpec
+from shared.config import DressageConfig
+
+# Start tiers; stop runs them in reverse (workers first, the engine last).
+TIER_ENGINE, TIER_PROXY, TIER_CONSUMERS, TIER_SOURCE, TIER_WORKERS = range(5)
+
+
+@dataclass(frozen=True)
+class RunChoices:
+    config_path: str
+    run_dir: Path
+    redis_url: str
+    prefix: str
+    workers: int
+    engine_port: int
+    proxy_port: int
+    max_steps: int | None = None
+    python: str = sys.executable
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. REDIS_PASSWORD for an external Redis
+
+
+def run_prefix(base: str, run_name: str) -> str:
+    """A Redis prefix private to one run, valid for ``redis.prefix`` (letters, digits, ``_.-``)."""
+    clean = re.sub(r"[^A-Za-z0-9_.\-]", "-", run_name).strip("-") or "run"
+    return f"{base}-{clean}"[:64]
+
+
+def http_ok(url: str, timeout: float = 1.0) -> Callable[[], bool]:
+    """A readiness probe: true when GET ``url`` answers 2xx."""
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
+                return 200 <= resp.status < 300
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    return probe
+
+
+def common_env(cfg: DressageConfig, c: RunChoices) -> dict[str, str]:
+    engine_url = f"http://{cfg.engine.host}:{c.engine_port}"
+    env = {
+        "REDIS_URL": c.redis_url,
+        "DRESSAGE_REDIS_URL": c.redis_url,  # wins over a stray DRESSAGE_REDIS_URL in the shell
+        "DRESSAGE_REDIS_PREFIX": c.prefix,
+        "DRESSAGE_ENGINE_PORT": str(c.engine_port),
+        "DRESSAGE_PROXY_PORT": str(c.proxy_port),
+        "DRESSAGE_PROXY_ENGINES": json.dumps([engine_url]),
+        "DRESSAGE_ROLLOUT_PROXY_URL": f"http://{cfg.proxy.host}:{c.proxy_port}",
+        "DRESSAGE_TRAIN_CHECKPOINT_DIR": str(c.run_dir / "checkpoints"),
+        "DRESSAGE_EVAL_QUEUE": f"{c.prefix}-eval",  # rq queues are global: one per run
+        "TOKENIZERS_PARALLELISM": "false",
+        **c.extra_env,
+    }
+    if c.max_steps is not None:
+        env["DRESSAGE_TRAIN_MAX_STEPS"] = str(c.max_steps)
+    return env
+
+
+def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
+    """Every service of a local deployment as a supervised process, in start order."""
+    env = common_env(cfg, c)
+    logs = c.run_dir / "logs"
+    ready_timeout = cfg.ops.ready_timeout_s
+
+    def proc(service: str, tier: int, name: str | None = None, extra: dict[str, str] | None = None,
+             **kw: object) -> ProcessSpec:
+        name = name or service
+        argv = [c.python, "-m", "services", service, "--config", c.config_path]
+        # A stable consumer name per process: a restarted process re-reads its own pending entries.
+        penv = {**env, "DRESSAGE_CONSUMER": f"{c.prefix}-{name}", **(extra or {})}
+        return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
+                           **kw)  # type: ignore[arg-type]
+
+    specs = [
+        proc("engine", TIER_ENGINE, ready=http_ok(f"http://{cfg.engine.host}:{c.engine_port}/health"),
+             ready_timeout_s=ready_timeout),
+        proc("proxy", TIER_PROXY, ready=http_ok(f"http://{cfg.proxy.host}:{c.proxy_port}/health"),
+             ready_timeout_s=ready_timeout),
+        proc("trainer", TIER_CONSUMERS, ends_run=True),
+        proc("group-collector", TIER_CONSUMERS),
+    ]
+    if cfg.eval.every_versions > 0:
+        specs.append(proc("eval-worker", TIER_CONSUMERS))
+    specs.append(proc("prompt-buffer", TIER_SOURCE, may_finish=True))
+    for i in range(1, c.workers + 1):
+        specs.append(proc("rollout-worker", TIER_WORKERS, name=f"rollout-worker-{i}",
+                          extra={"DRESSAGE_REPLICA": str(i - 1)}))
+    return specs

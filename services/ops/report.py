@@ -1,0 +1,113 @@
+"""``dressage report RUN``: plots + summary of a finished or running run.
+
+Input: a run directory holding ``metrics.jsonl`` (written by ``dressage up``), or a live run's
+``{p}:metrics`` stream (``--redis-url`` / ``--prefix``, or ``--config``). Output, in
+``<RUN>/report/`` (or ``--out``): one PNG per figure, ``summary.txt``, and ``report.html`` -- a
+single self-contained page (PNGs embedded as base64, no external assets) with the summary table.
+The summary table is also printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.ops import series
+from services.ops.metricslog import load_rows, read_stream
+from shared.config import load_config
+from shared.errors import ConfigError
+from shared.keys import Keys
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    pngs: list[Path]
+    html: Path
+    summary: Path
+    table: str
+
+
+def render_html(title: str, table: Sequence[tuple[str, str]], pngs: Sequence[Path]) -> str:
+    rows = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in table)
+    figures = "\n".join(
+        f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(p.name)}</figcaption></figure>'
+        for p in pngs)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse}}
+th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left}}th{{font-weight:normal;color:#444}}
+img{{max-width:100%}}figure{{margin:1.5em 0}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<p>Generated {html.escape(time.strftime('%Y-%m-%d %H:%M:%S'))} by <code>dressage report</code>.</p>
+<h2>Summary</h2><table>
+{rows}
+</table>
+<h2>Plots</h2>
+{figures}
+</body></html>
+"""
+
+
+def build_report(rows: Sequence[series.Row], out: Path, title: str) -> ReportFiles:
+    from services.ops.plots import plot_all  # matplotlib only when a report is drawn
+
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot_all(rows, out)
+    table = series.summary(rows)
+    text = series.format_table(table)
+    summary = out / "summary.txt"
+    summary.write_text(text + "\n", encoding="utf-8")
+    page = out / "report.html"
+    page.write_text(render_html(title, table, pngs), encoding="utf-8")
+    return ReportFiles(pngs, page, summary, text)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dressage report", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("run", help="run directory (with metrics.jsonl), or where to write a live run's report")
+    p.add_argument("--redis-url", help="read a running run's {p}:metrics from this Redis")
+    p.add_argument("--prefix", help="Redis prefix of the run (with --redis-url)")
+    p.add_argument("--config", help="take redis.url / redis.prefix from this config")
+    p.add_argument("--out", help="output folder (default: RUN/report)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Path(args.run)
+    live = args.redis_url or args.prefix or args.config
+    if live:
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            sys.stderr.write(f"dressage report: {exc}\n")
+            return 2
+        import redis
+
+        url = args.redis_url or cfg.redis.url
+        pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
+        r = redis.Redis.from_url(url, password=pw, socket_connect_timeout=5)
+        rows = read_stream(r, Keys(args.prefix or cfg.redis.prefix))
+    else:
+        metrics = run / "metrics.jsonl" if run.is_dir() else run
+        if not metrics.exists():
+            sys.stderr.write(f"dressage report: no metrics.jsonl in {run} (use --redis-url for a live run)\n")
+            return 2
+        rows = load_rows(metrics)
+        run = metrics.parent
+    out = Path(args.out) if args.out else run / "report"
+    files = build_report(rows, out, title=f"Dressage run {run.name or run}")
+    sys.stdout.write(files.table + "\n\n")
+    sys.stdout.write(f"report: {files.html}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
