@@ -150,6 +150,10 @@ class CollectorConfig(Section):
     max_ready_batches: int = Field(default=1, ge=1, le=1000)
     claim_idle_ms: int = Field(default=30_000, ge=100, le=86_400_000)
     block_ms: int = Field(default=500, ge=1, le=60_000)
+    read_count: int = Field(default=64, ge=1, le=10_000)  # rollout entries per XREADGROUP
+    control_poll_s: float = Field(default=1.0, gt=0, le=60)  # re-read {p}:control keep_versions this often
+    trim_interval_s: float = Field(default=10.0, ge=0, le=86_400)  # trim acked prompts/rollouts; 0 = never
+    metrics_interval_s: float = Field(default=5.0, gt=0, le=3600)  # periodic {p}:metrics report
 
 
 class TrainConfig(Section):

@@ -77,3 +77,32 @@ class Heartbeat:
             self.r.delete(self.keys.health(self.service, self.consumer))
         except redis.RedisError:
             pass
+
+
+class MetricGauges:
+    """Prometheus mirror of a service's ``report_metrics`` dict: one gauge per numeric metric.
+
+    Gauges live in a private registry (several services or tests in one process never clash) and
+    are created on first sight; ``staleness/version_gap_max`` becomes ``dressage_staleness_version_gap_max``.
+    ``port`` starts ``prometheus_client``'s HTTP server for this registry (None = no server).
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server  # local: optional at import
+
+        self.registry = CollectorRegistry()
+        self._gauges: dict[str, Any] = {}
+        if port is not None:
+            start_http_server(port, addr="0.0.0.0", registry=self.registry)
+
+    def set(self, metrics: Mapping[str, Any]) -> None:
+        from prometheus_client import Gauge
+
+        for name, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                prom = "dressage_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+                gauge = self._gauges[name] = Gauge(prom, name, registry=self.registry)
+            gauge.set(value)

@@ -1,0 +1,1 @@
+"""group-collector: staleness window, whole-group drops with re-enqueue, batch assembly into ``{p}:batches``."""

@@ -1,0 +1,46 @@
+"""``dressage group-collector [--config PATH] [--burst]``: wiring only (config, clients, core, run)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from services.group_collector.collector import SERVICE, GroupCollector
+from services.group_collector.core import CollectorCore
+from shared.config import load_config
+from shared.errors import ConfigError
+from shared.lifecycle import StopFlag
+from shared.logs import setup_logging
+from shared.staleness import StalenessGroupFilter, StalenessTracker, config_from_value
+from shared.streams import consumer_name
+from shared.telemetry import MetricGauges
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dressage group-collector", description=__doc__)
+    parser.add_argument("--config", default=None, help="deployment YAML (default: built-in defaults)")
+    parser.add_argument("--burst", action="store_true", help="process the rollouts available now, then exit 0")
+    args = parser.parse_args(argv)
+    setup_logging(SERVICE)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    tracker = StalenessTracker(config_from_value(cfg.staleness.keep_versions))
+    core = CollectorCore(StalenessGroupFilter(tracker, "collector"), cfg.train.groups_per_batch,
+                         cfg.rollout.max_retries)
+    c = cfg.collector
+    port = cfg.ops.metrics_port_base + 3 if cfg.ops.metrics_port_base else None
+    collector = GroupCollector(cfg.redis.client(), cfg.keys(), core, consumer=consumer_name(SERVICE),
+                               default_keep_versions=cfg.staleness.keep_versions,
+                               order_by_published=cfg.staleness.order_by_published,
+                               max_ready_batches=c.max_ready_batches, claim_idle_ms=c.claim_idle_ms,
+                               block_ms=c.block_ms, read_count=c.read_count, control_poll_s=c.control_poll_s,
+                               trim_interval_s=c.trim_interval_s, metrics_interval_s=c.metrics_interval_s,
+                               burst=args.burst, heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s,
+                               redis_factory=cfg.redis.client, stop=StopFlag().install(),
+                               gauges=None if args.burst else MetricGauges(port))
+    return collector.run()

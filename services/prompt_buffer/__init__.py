@@ -1,0 +1,1 @@
+"""prompt-buffer: emits paced prompt groups from a JSONL dataset into ``{p}:prompts``."""

@@ -1,0 +1,182 @@
+"""The prompt-buffer's Redis shell: emits paced prompt groups from the dataset into ``{p}:prompts``.
+
+Invariant: a batch of new groups, ``HINCRBY {p}:stats groups_produced`` and the dataset cursor
+``{p}:prompt_buffer:cursor`` are written in ONE MULTI/EXEC guarded by WATCH on the cursor. So a
+crash at any point leaves either all of them or none, and a restart (or a second buffer racing
+the first) continues exactly after the last committed prompt — nothing skipped, nothing doubled.
+
+How many groups may be emitted comes from ``pacing.PacingPolicy`` over the persistent counters
+and the published version, plus a backpressure cap on the length of ``{p}:prompts``. The loop
+wakes immediately on a new weight version (``VersionWatcher``) and polls otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from services.prompt_buffer.pacing import PacingInputs, PacingPolicy, version_index
+from services.prompt_buffer.schedule import Cursor, Schedule, prompt_group
+from shared.codec import encode_entry
+from shared.errors import DressageError
+from shared.keys import GROUP_ROLLOUT, Keys
+from shared.lifecycle import StopFlag
+from shared.streams import ensure_group
+from shared.telemetry import Heartbeat, MetricGauges, report_metrics
+from shared.versionbus import VersionWatcher, read_latest
+
+log = logging.getLogger(__name__)
+SERVICE = "prompt-buffer"
+COUNTERS = ("groups_produced", "groups_trained", "groups_dead_lettered")
+
+
+def _int(raw: Any, key: str) -> int:
+    try:
+        return int(raw) if raw is not None else 0
+    except ValueError as exc:
+        raise DressageError(f"{key}: expected an integer, got {raw!r}") from exc
+
+
+class PromptBuffer:
+    def __init__(self, r: redis.Redis, keys: Keys, rows: list[dict[str, Any]], schedule: Schedule,
+                 policy: PacingPolicy, *, n_samples: int, consumer: str, burst: bool = False,
+                 poll_s: float = 0.2, max_stream_len: int = 100_000, chunk: int = 64,
+                 heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
+                 stop: StopFlag | None = None, gauges: MetricGauges | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.r, self.keys, self.rows, self.schedule, self.policy = r, keys, rows, schedule, policy
+        self.n_samples, self.consumer, self.burst = n_samples, consumer, burst
+        self.poll_s, self.max_stream_len, self.chunk = poll_s, max_stream_len, chunk
+        self.stop = stop or StopFlag()
+        self.gauges = gauges
+        self.clock = clock
+        self.stats_key = keys.custom("stats")
+        self.cursor_key = keys.custom("prompt_buffer", "cursor")
+        self._factory = redis_factory or (lambda: r)
+        self._wake = threading.Event()
+        self._heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
+        self._waiting_logged = False
+        self._last_report = 0.0
+        self.last_capacity = 0
+
+    # --- reading state -------------------------------------------------------------------
+
+    def cursor(self) -> Cursor:
+        raw = self.r.hgetall(self.cursor_key)
+        return Cursor(_int(raw.get(b"epoch"), f"{self.cursor_key}.epoch"),
+                      _int(raw.get(b"position"), f"{self.cursor_key}.position"))
+
+    def inputs(self) -> PacingInputs:
+        latest = read_latest(self.r, self.keys)
+        log_len = int(self.r.xlen(self.keys.weights_log)) if latest is not None else 0
+        values = self.r.hmget(self.stats_key, list(COUNTERS))
+        counts = [_int(v, f"{self.stats_key}.{name}") for v, name in zip(values, COUNTERS, strict=True)]
+        return PacingInputs(version_index(latest.version if latest else None, log_len), *counts)
+
+    def room(self) -> tuple[int, PacingInputs]:
+        """How many groups may be emitted now, and the counters it was computed from."""
+        state = self.inputs()
+        capacity = self.policy.capacity(state)
+        stream_room = self.max_stream_len - int(self.r.xlen(self.keys.prompts))
+        self.last_capacity = max(0, min(capacity, stream_room))
+        return self.last_capacity, state
+
+    # --- emitting --------------------------------------------------------------------------
+
+    def emit(self, limit: int) -> int:
+        """Emit up to ``limit`` new groups after the stored cursor, atomically with the cursor."""
+        if limit <= 0:
+            return 0
+        with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self.cursor_key)
+                    raw = pipe.hgetall(self.cursor_key)
+                    cursor = Cursor(_int(raw.get(b"epoch"), "epoch"), _int(raw.get(b"position"), "position"))
+                    items, after = self.schedule.take(cursor, limit)
+                    if not items:
+                        pipe.reset()
+                        return 0
+                    now = self.clock()
+                    groups = [prompt_group(self.rows[i], e, i, self.n_samples, now) for e, i in items]
+                    pipe.multi()
+                    for g in groups:
+                        pipe.xadd(self.keys.prompts, encode_entry(g))  # type: ignore[arg-type]
+                    pipe.hincrby(self.stats_key, "groups_produced", len(groups))
+                    pipe.hset(self.cursor_key, mapping={"epoch": after.epoch, "position": after.position,
+                                                        "rows": self.schedule.n_rows})
+                    pipe.execute()
+                except redis.WatchError:
+                    continue  # another buffer moved the cursor: recompute from the new one
+                for g in groups:
+                    log.debug("emitted group_id=%s attempt=0 prompt_id=%s", g.group_id, g.prompt_id)
+                log.info("emitted %d group(s) group_id=%s..%s cursor=epoch %d position %d", len(groups),
+                         groups[0].group_id, groups[-1].group_id, after.epoch, after.position)
+                return len(groups)
+
+    def step(self) -> int:
+        """One pacing decision and emission; returns how many groups were emitted."""
+        room, state = self.room()
+        if state.version_index is None:
+            if not self._waiting_logged:
+                log.info("waiting for the trainer to publish its first weight version before emitting")
+                self._waiting_logged = True
+            return 0
+        self._waiting_logged = False
+        emitted = self.emit(min(room, self.chunk))
+        self._report(state, emitted)
+        return emitted
+
+    def _report(self, state: PacingInputs, emitted: int) -> None:
+        now = time.monotonic()
+        if emitted == 0 and now - self._last_report < 5.0:
+            return
+        self._last_report = now
+        metrics = {"prompt_buffer/groups_produced": state.groups_produced + emitted,
+                   "prompt_buffer/in_flight": state.in_flight + emitted,
+                   "prompt_buffer/capacity": self.last_capacity - emitted,
+                   "prompt_buffer/version_index": -1 if state.version_index is None else state.version_index}
+        report_metrics(self.r, self.keys, SERVICE, metrics)
+        if self.gauges is not None:
+            self.gauges.set(metrics)
+
+    # --- loop --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Emit until stopped (burst: until nothing more may be emitted now); returns the exit code."""
+        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._wake.set(),
+                                 poll_s=max(self.poll_s, 0.5))
+        if not self.burst:
+            watcher.start()
+        ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)  # deliver from the first entry on
+        backoff = 0.1
+        total = 0
+        try:
+            while not self.stop.is_set:
+                try:
+                    emitted = self.step()
+                    cursor = self.cursor()
+                    exhausted = self.schedule.exhausted(cursor)
+                    self._heartbeat.beat({"epoch": cursor.epoch, "position": cursor.position,
+                                          "capacity": self.last_capacity, "exhausted": exhausted})
+                    backoff = 0.1
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                total += emitted
+                if self.burst and (emitted == 0 or exhausted):
+                    break
+                if emitted == 0:
+                    self._wake.wait(self.poll_s)  # a new version wakes us at once
+                    self._wake.clear()
+        finally:
+            watcher.stop()
+        log.info("prompt-buffer stopping after emitting %d group(s) this run", total)
+        return 0

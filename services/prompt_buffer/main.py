@@ -1,0 +1,44 @@
+"""``dressage prompt-buffer [--config PATH] [--burst]``: wiring only (config, clients, core, run)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from services.prompt_buffer.buffer import SERVICE, PromptBuffer
+from services.prompt_buffer.pacing import PacingPolicy, groups_per_version
+from services.prompt_buffer.schedule import Schedule
+from shared.config import load_config
+from shared.errors import ConfigError
+from shared.lifecycle import StopFlag
+from shared.logs import setup_logging
+from shared.streams import consumer_name
+from shared.tasks.dataset import DatasetError, load_dataset
+from shared.telemetry import MetricGauges
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dressage prompt-buffer", description=__doc__)
+    parser.add_argument("--config", default=None, help="deployment YAML (default: built-in defaults)")
+    parser.add_argument("--burst", action="store_true", help="emit what pacing allows now, then exit 0")
+    args = parser.parse_args(argv)
+    setup_logging(SERVICE)
+    try:
+        cfg = load_config(args.config)
+        rows = load_dataset(cfg.prompt_buffer.dataset)
+    except (ConfigError, DatasetError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    policy = PacingPolicy(cfg.pacing.max_versions_ahead,
+                          groups_per_version(cfg.train.groups_per_batch, cfg.train.update_weights_interval),
+                          cfg.pacing.max_in_flight_groups)
+    port = cfg.ops.metrics_port_base + 1 if cfg.ops.metrics_port_base else None
+    buffer = PromptBuffer(cfg.redis.client(), cfg.keys(), rows,
+                          Schedule(len(rows), cfg.prompt_buffer.shuffle_seed, cfg.prompt_buffer.epochs), policy,
+                          n_samples=cfg.prompt_buffer.n_samples, consumer=consumer_name(SERVICE), burst=args.burst,
+                          poll_s=cfg.prompt_buffer.poll_s, max_stream_len=cfg.prompt_buffer.max_stream_len,
+                          heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, redis_factory=cfg.redis.client,
+                          stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port))
+    return buffer.run()
