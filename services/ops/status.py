@@ -1,0 +1,180 @@
+"""``dressage status [--watch]``: one screen about a deployment, read from Redis only.
+
+Sections (docs/operations.md gives the redis-cli command behind each): VERSION, WINDOW, STREAMS,
+GROUPS (pending, lag, consumers with idle times), PIPELINE ({p}:stats counters and groups in
+flight), DEAD (by reason), THROUGHPUT ({p}:metrics over the last minute, and {p}:stats deltas
+between two refreshes), LIVENESS (heartbeat keys and their TTLs). ``render`` is pure: snapshot in,
+text out. Where to look: ``--redis-url``/``--prefix``, else ``--run DIR`` (its run.json), else
+``--config``/``REDIS_URL``, else the newest ``dressage up`` run (``runs/latest/run.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.ops import series
+from services.ops.snapshot import Snapshot, collect
+from shared.config import load_config
+from shared.errors import ConfigError
+from shared.keys import Keys
+
+SERVICES = ("engine", "proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker")
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def _throughput(s: Snapshot, previous: Snapshot | None) -> list[str]:
+    lines: list[str] = []
+    train = series.trainer_rows(s.recent)
+    if len(train) >= 2:
+        steps = (series.pick(train[-1], series.STEP) or 0) - (series.pick(train[0], series.STEP) or 0)
+        dt = (series.number(train[-1].get("ts")) or 0) - (series.number(train[0].get("ts")) or 0)
+        if dt > 0:
+            lines.append(f"trainer {60 * steps / dt:.2f} steps/min")
+    ops = [r for r in s.recent if r.get("service") == "ops"]
+    if len(ops) >= 2:
+        dt = (series.number(ops[-1].get("ts")) or 0) - (series.number(ops[0].get("ts")) or 0)
+        for name in ("groups_produced", "groups_trained"):
+            a, b = series.number(ops[0].get(f"stats/{name}")), series.number(ops[-1].get(f"stats/{name}"))
+            if dt > 0 and a is not None and b is not None:
+                lines.append(f"{name.removeprefix('groups_')} {60 * (b - a) / dt:.1f} groups/min")
+    if previous is not None and s.taken_at > previous.taken_at:
+        dt = s.taken_at - previous.taken_at
+        for name in ("groups_produced", "groups_trained"):
+            delta = s.stats.get(name, 0) - previous.stats.get(name, 0)
+            lines.append(f"{name.removeprefix('groups_')} {delta / dt:.2f}/s since last refresh")
+    by_service: dict[str, int] = {}
+    for r in s.recent:
+        by_service[str(r.get("service"))] = by_service.get(str(r.get("service")), 0) + 1
+    if by_service:
+        lines.append("reports/min " + ", ".join(f"{k} {v}" for k, v in sorted(by_service.items())))
+    return lines or ["no metrics in the last minute"]
+
+
+def render(s: Snapshot, previous: Snapshot | None = None, expected: Sequence[str] = SERVICES,
+           where: str = "") -> str:
+    out: list[str] = [f"dressage status  prefix={s.prefix}  {where}  "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.taken_at))}"]
+    if s.latest:
+        published_at = s.latest.get("published_at")
+        age = s.taken_at - float(published_at) if isinstance(published_at, (int, float)) else None
+        out.append(f"VERSION     current {s.latest.get('version')} (step {s.latest.get('step')}, "
+                   f"published {_ago(age)} ago)  published versions: {s.published}")
+    else:
+        out.append("VERSION     none published yet")
+    if s.window:
+        w = s.window
+        out.append(f"WINDOW      keep_versions {w.get('keep_versions')}  current {w.get('current_version')}  "
+                   f"cutoff {w.get('cutoff_version')}  waiting groups {w.get('waiting_groups', '?')}")
+    else:
+        out.append("WINDOW      (collector has not written {p}:collector:window)")
+    if s.control:
+        out.append("CONTROL     " + "  ".join(f"{k}={v}" for k, v in sorted(s.control.items())))
+    out.append("STREAMS     " + "  ".join(f"{k} {v}" for k, v in s.streams.items()))
+    out.append("GROUPS      stream    group      pending  lag     consumers (pending, idle)")
+    for g in s.groups:
+        lag = "?" if g.lag is None else (f">={g.lag}" if g.lag_capped else str(g.lag))
+        cons = ", ".join(f"{c.name} ({c.pending}, {_ago(c.idle_ms / 1000)})" for c in g.consumers) or "-"
+        out.append(f"            {g.stream:<9} {g.group:<10} {g.pending:<8} {lag:<7} {cons}")
+    if not s.groups:
+        out.append("            (no consumer groups yet)")
+    st = s.stats
+    in_flight = st.get("groups_produced", 0) - st.get("groups_trained", 0) - st.get("groups_dead_lettered", 0)
+    out.append(f"PIPELINE    produced {st.get('groups_produced', 0)}  batched {st.get('groups_batched', 0)}  "
+               f"trained {st.get('groups_trained', 0)} ({st.get('batches_trained', 0)} batches)  "
+               f"in flight {in_flight}")
+    out.append(f"DROPS       stale dropped {st.get('groups_dropped_stale', 0)}  "
+               f"re-enqueued {st.get('groups_reenqueued', 0)}  dead-lettered {st.get('groups_dead_lettered', 0)}  "
+               f"poison {st.get('poison_dead_lettered', 0)}  duplicates discarded "
+               f"{st.get('groups_duplicate_discarded', 0)}")
+    dead = ", ".join(f"{k} {v}" for k, v in s.dead_by_reason.most_common()) or "none"
+    out.append(f"DEAD        {dead}")
+    out.append("THROUGHPUT  " + "; ".join(_throughput(s, previous)))
+    out.append("LIVENESS    service          consumer                      state")
+    seen = {b.service for b in s.beats}
+    for b in s.beats:
+        state = f"alive (beat {_ago(b.age_s)} ago, ttl {b.ttl_ms / 1000:.0f}s)" if b.ttl_ms != -1 \
+            else "alive (no ttl!)"
+        out.append(f"            {b.service:<16} {b.consumer:<29} {state}")
+    for name in expected:
+        if name not in seen:
+            out.append(f"            {name:<16} {'-':<29} DOWN (no heartbeat key)")
+    return "\n".join(out)
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[str, str, str | None, list[str]]:
+    """(redis url, prefix, password, expected services) from the flags, a run dir, or a config."""
+    cfg = load_config(args.config)
+    expected = [s for s in SERVICES if s != "eval-worker" or cfg.eval.every_versions > 0]
+    pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
+    run_json: Path | None = None
+    if args.run:
+        run_json = Path(args.run) / "run.json"
+    elif not (args.redis_url or args.config or os.environ.get("REDIS_URL")):
+        candidate = Path(cfg.ops.run_dir) / "latest" / "run.json"
+        run_json = candidate if candidate.exists() else None
+    if run_json is not None:
+        info = json.loads(run_json.read_text())
+        return (args.redis_url or info["redis_url"], args.prefix or info["prefix"], pw,
+                info.get("services", expected))
+    return args.redis_url or cfg.redis.url, args.prefix or cfg.redis.prefix, pw, expected
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dressage status", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--config", help="deployment config (redis.url, redis.prefix)")
+    p.add_argument("--redis-url")
+    p.add_argument("--prefix")
+    p.add_argument("--run", help="a dressage up run directory (reads its run.json)")
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import redis
+
+    args = parse_args(argv)
+    try:
+        url, prefix, pw, expected = resolve_target(args)
+    except (ConfigError, OSError, ValueError, KeyError) as exc:
+        sys.stderr.write(f"dressage status: {exc}\n")
+        return 2
+    r: Any = redis.Redis.from_url(url, password=pw, socket_connect_timeout=5, socket_timeout=10)
+    keys = Keys(prefix)
+    where = f"redis={url.split('@')[-1]}"  # never print a password from the URL
+    previous: Snapshot | None = None
+    try:
+        while True:
+            snap = collect(r, keys)
+            screen = render(snap, previous, expected, where)
+            if args.watch and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            sys.stdout.write(screen + "\n")
+            sys.stdout.flush()
+            if not args.watch:
+                return 0
+            previous = snap
+            time.sleep(max(0.2, args.interval))
+    except KeyboardInterrupt:
+        return 0
+    except redis.RedisError as exc:
+        sys.stderr.write(f"dressage status: cannot read {where}: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
