@@ -6,7 +6,11 @@ Only wiring here: the batching logic is in `scheduler.py`, the routes in `app.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 
 import torch
 import uvicorn
@@ -19,6 +23,23 @@ from shared.logs import setup_logging
 from shared.modeling import load_model, load_tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown (exit status -15); a service exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides={"engine": overrides})
     setup_logging("engine")
     service = build_service(cfg)
-    server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.engine.host, port=cfg.engine.port,
+    server = _Server(uvicorn.Config(build_app(service), host=cfg.engine.host, port=cfg.engine.port,
                                            log_level="warning", access_log=False))
     try:
         server.run()  # returns on SIGTERM/SIGINT after in-flight requests were answered
