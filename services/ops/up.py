@@ -1,0 +1,168 @@
+"""``dressage up``: the whole pipeline as local processes, supervised, with progress and a report.
+
+Wiring only: config -> (``--demo``: data + tiny model) -> Redis (``REDIS_URL`` or a private one) ->
+process plan -> supervisor loop with a progress tick -> metrics.jsonl + report. Everything of a run
+lives in ``runs/<name>/``: ``logs/<service>.log``, ``checkpoints/``, ``redis/`` (private Redis data),
+``metrics.jsonl``, ``report/``, and ``run.json`` (Redis URL without credentials + prefix, read by
+``dressage status``). The run ends when the trainer exits 0 after ``train.max_steps`` (success), on
+Ctrl-C/SIGTERM (clean stop), or when a service dies (failure naming it, unless ``--restart``).
+Exit code: 0 finished or stopped, 1 a service failed, 2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from services.ops.metricslog import MetricsLog
+from services.ops.plan import RunChoices, build_plan, run_prefix
+from services.ops.progress import Progress
+from services.ops.redisboot import NoRedisAvailable, resolve_redis
+from services.ops.supervisor import RestartPolicy, Supervisor, tail_lines
+from shared.config import DressageConfig, load_config
+from shared.errors import ConfigError
+from shared.keys import Keys
+from shared.lifecycle import StopFlag
+from shared.logs import setup_logging
+
+log = logging.getLogger(__name__)
+DEMO_MAX_STEPS = 40  # used by --demo when neither --max-steps nor train.max_steps is set
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dressage up", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--config", default="configs/cpu-demo.yaml", help="deployment YAML (all services)")
+    p.add_argument("--workers", type=int, help="rollout-worker replicas (default: ops.workers)")
+    p.add_argument("--restart", action="store_true", help="restart a dead service with backoff instead of stopping")
+    p.add_argument("--demo", action="store_true", help="prepare data + tiny model, bounded run, report at the end")
+    p.add_argument("--max-steps", type=int, help="trainer steps before the run ends (train.max_steps)")
+    p.add_argument("--run-dir", help="run folder (default: <ops.run_dir>/<timestamp>)")
+    p.add_argument("--prefix", help="Redis prefix (default: <redis.prefix>-<run name>)")
+    p.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    return p.parse_args(argv)
+
+
+def port_or_free(host: str, port: int) -> int:
+    """``port`` when it can be bound on ``host``, else a free one (two runs side by side)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return port
+        except OSError:
+            s.bind((host, 0))
+            free = int(s.getsockname()[1])
+    log.info("port %d on %s is taken: using %d", port, host, free)
+    return free
+
+
+def public_url(url: str) -> str:
+    """A Redis URL without credentials, safe to write to disk or print."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
+    """Generated datasets and the tiny warm-started model, built only when missing."""
+    logs.mkdir(parents=True, exist_ok=True)
+    steps: list[tuple[str, list[str]]] = []
+    datasets = [Path(cfg.prompt_buffer.dataset), Path(cfg.eval.dataset)]
+    if not all(d.exists() for d in datasets):
+        out = Path(cfg.prompt_buffer.dataset).parent.parent
+        steps.append(("make-data", ["make-data", "--out", str(out), "--tasks", cfg.model.task]))
+    # Idempotent: --if-missing returns at once when the directory already holds a complete model.
+    steps.append(("init-model", ["init-model", "--task", cfg.model.task, "--out", cfg.model.path, "--if-missing",
+                                 "--warm-steps", str(cfg.model.warm_steps), "--seed", str(cfg.model.seed)]))
+    for name, args in steps:
+        sys.stdout.write(f"preparing: dressage {' '.join(args)} (log: {logs / (name + '.log')})\n")
+        sys.stdout.flush()
+        with (logs / f"{name}.log").open("ab") as fh:
+            code = subprocess.call([sys.executable, "-m", "services", *args], stdout=fh, stderr=subprocess.STDOUT)
+        if code != 0:
+            raise RuntimeError(f"{name} failed with exit code {code}:\n{tail_lines(logs / (name + '.log'))}")
+
+
+def write_run_info(run_dir: Path, cfg: DressageConfig, choices: RunChoices, services: list[str]) -> None:
+    info = {"redis_url": public_url(choices.redis_url), "prefix": choices.prefix, "config": choices.config_path,
+            "run_dir": str(run_dir), "started_at": time.time(), "pid": os.getpid(), "services": services,
+            "engine_port": choices.engine_port, "proxy_port": choices.proxy_port}
+    (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    runs = Path(cfg.ops.run_dir)
+    if run_dir.resolve().parent == runs.resolve():
+        tmp = runs / ".latest.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, runs / "latest")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging("up")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        sys.stderr.write(f"dressage up: {exc}\n")
+        return 2
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.ops.run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    max_steps = args.max_steps or cfg.train.max_steps or (DEMO_MAX_STEPS if args.demo else None)
+    if args.demo:
+        try:
+            prepare_demo(cfg, run_dir / "logs")
+        except RuntimeError as exc:
+            sys.stderr.write(f"dressage up: {exc}\n")
+            return 1
+    stop = StopFlag().install()
+    try:
+        handle = resolve_redis(os.environ.get("REDIS_URL"), run_dir / "redis")
+    except (NoRedisAvailable, RuntimeError) as exc:
+        sys.stderr.write(f"dressage up: {exc}\n")
+        return 1
+    try:
+        choices = RunChoices(
+            config_path=args.config, run_dir=run_dir, redis_url=handle.url,
+            prefix=args.prefix or run_prefix(cfg.redis.prefix, run_dir.name),
+            workers=args.workers or cfg.ops.workers, max_steps=max_steps,
+            engine_port=port_or_free(cfg.engine.host, cfg.engine.port),
+            proxy_port=port_or_free(cfg.proxy.host, cfg.proxy.port))
+        specs = build_plan(cfg, choices)
+        write_run_info(run_dir, cfg, choices, sorted({s.argv[3] for s in specs}))  # argv: py -m services <svc>
+        sys.stdout.write(f"run {run_dir} | redis {public_url(handle.url)} ({handle.kind}) prefix {choices.prefix}"
+                         f" | {len(specs)} processes | logs in {run_dir / 'logs'}\n"
+                         f"watch it: dressage status --run {run_dir} --watch\n")
+        pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
+        import redis
+
+        r = redis.Redis.from_url(handle.url, password=pw, socket_connect_timeout=5, socket_timeout=10)
+        keys = Keys(choices.prefix)
+        progress = Progress(r, keys, MetricsLog(run_dir / "metrics.jsonl"), max_steps, show=not args.quiet)
+        sup = Supervisor(specs, restart=args.restart, grace_s=cfg.ops.stop_grace_s,
+                         policy=RestartPolicy(max_restarts=cfg.ops.restart_max))
+        result = sup.run(lambda: stop.is_set, tick=progress.tick)
+        progress.finish()
+        sys.stdout.write(result.describe() + "\n")
+        if not result.ok:
+            sys.stderr.write(f"--- last lines of {result.name} ({run_dir / 'logs' / f'{result.name}.log'}):\n"
+                             f"{result.tail}\n")
+        if not args.no_report and (args.demo or result.outcome == "finished"):
+            from services.ops.report import build_report
+
+            files = build_report(progress.metrics.rows, run_dir / "report", f"Dressage run {run_dir.name}")
+            sys.stdout.write(f"\n{files.table}\n\nreport: {files.html}\nmetrics: {run_dir / 'metrics.jsonl'}\n")
+        return 0 if result.ok else 1
+    finally:
+        handle.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
