@@ -1,0 +1,125 @@
+"""Agents that drive one trajectory through its proxy session: white-box and black-box.
+
+* White-box (``run_whitebox``): the task episode runs in process; every model call is
+  ``POST {proxy}/v1/chat/completions`` with ``X-Session-Id``; multi-turn tasks loop, feeding the
+  environment's answer back, until the episode is done.
+* Black-box (``run_blackbox``): an external command is the agent. It gets ``OPENAI_BASE_URL`` =
+  ``{proxy}/s/{session}/v1`` (so each of its model calls is recorded in the session),
+  ``OPENAI_API_KEY`` (the proxy key or ``"none"``), ``DRESSAGE_SESSION_ID``, and on stdin the JSON
+  ``{"messages", "task", "max_new_tokens", "temperature", "session_id"}``. It answers on stdout
+  with ``{"reply": "..."}`` or plain text and exits 0. The reply is scored by the task verifier
+  as the episode's one reply: black-box agents suit single-turn tasks; on a multi-turn task only
+  that first reply is scored (the agent sees no environment feedback).
+  A non-zero exit fails the trajectory; if the agent printed a proxy error code of THIS run
+  (``{"error": "<code>"}`` on stdout, or the code in stderr), that code is the failure's code,
+  so a relayed staleness rejection is classified as one. The agent's environment carries no
+  Redis or Dressage settings (it is untrusted code), and it is killed with its process group on
+  timeout or cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+from services.rollout_worker.errors import PROXY_502_CODES, TrajectoryFailed
+from services.rollout_worker.proxy_client import ProxyClient
+from shared.errors import ConfigError
+from shared.tasks import Episode
+
+MAX_AGENT_OUTPUT = 1 << 20  # bytes of stdout read as the reply
+_RELAYED_CODES = tuple(sorted(PROXY_502_CODES)) + ("upstream_unavailable",)
+_SECRET_PREFIXES = ("DRESSAGE_", "REDIS_")
+
+
+async def run_whitebox(proxy: ProxyClient, session_id: str, episode: Episode, max_new_tokens: int,
+                       temperature: float) -> None:
+    """Drive ``episode`` to its end, one proxy call per turn."""
+    while not episode.done:
+        reply = await proxy.chat(session_id, episode.messages(), max_new_tokens, temperature)
+        episode.step(reply)
+
+
+def agent_env(base: Mapping[str, str], base_url: str, api_key: str | None, session_id: str) -> dict[str, str]:
+    """The agent's environment: ``base`` without Redis/Dressage settings, plus its session endpoint."""
+    env = {k: v for k, v in base.items() if not k.startswith(_SECRET_PREFIXES)}
+    env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key or "none", "DRESSAGE_SESSION_ID": session_id})
+    return env
+
+
+def agent_input(task: str, messages: list[dict[str, str]], max_new_tokens: int, temperature: float,
+                session_id: str) -> bytes:
+    return json.dumps({"messages": messages, "task": task, "max_new_tokens": max_new_tokens,
+                       "temperature": temperature, "session_id": session_id}).encode()
+
+
+def parse_agent_output(stdout: bytes) -> str:
+    """The agent's final answer: ``{"reply": ...}`` JSON, else the plain text (stripped)."""
+    text = stdout[:MAX_AGENT_OUTPUT].decode("utf-8", errors="replace").strip()
+    try:
+        data: Any = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(data, dict) and "reply" in data:
+        return str(data["reply"] if data["reply"] is not None else "")
+    return text
+
+
+def agent_failure(returncode: int, stdout: bytes, stderr: bytes, session_id: str) -> TrajectoryFailed:
+    """Classify a failed agent run from this run's own output only (no state across attempts)."""
+    out = stdout[:MAX_AGENT_OUTPUT].decode("utf-8", errors="replace").strip()
+    err = stderr[-MAX_AGENT_OUTPUT:].decode("utf-8", errors="replace").strip()
+    tail = err[-400:]
+    try:
+        data: Any = json.loads(out)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and data.get("error") in _RELAYED_CODES:
+        return TrajectoryFailed(str(data["error"]), f"agent exited {returncode}: {str(data.get('message', ''))[:300]}",
+                                session_id=session_id)
+    for code in _RELAYED_CODES:
+        if code in err:
+            return TrajectoryFailed(code, f"agent exited {returncode}: {tail}", session_id=session_id)
+    return TrajectoryFailed("agent_exit", f"agent exited {returncode}: {tail}", session_id=session_id)
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def run_blackbox(command: list[str], proxy: ProxyClient, session_id: str, task: str, episode: Episode,
+                       max_new_tokens: int, temperature: float) -> None:
+    """Run the agent command once for this trajectory and score its reply; raises ``TrajectoryFailed``."""
+    env = agent_env(os.environ, proxy.agent_base_url(session_id), proxy.api_key, session_id)
+    payload = agent_input(task, episode.messages(), max_new_tokens, temperature, session_id)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+    except OSError as exc:
+        raise TrajectoryFailed("agent_crash", f"cannot start {command[0]!r}: {exc}", session_id=session_id) from exc
+    try:
+        stdout, stderr = await proc.communicate(payload)
+    except BaseException:  # timeout or cancellation: the agent must not outlive its trajectory
+        _kill_group(proc)
+        await asyncio.shield(proc.wait())
+        raise
+    finally:
+        _kill_group(proc)  # children it left behind
+    if proc.returncode != 0:
+        raise agent_failure(proc.returncode or -1, stdout, stderr, session_id)
+    episode.step(parse_agent_output(stdout))
+
+
+def check_agent_command(command: list[str] | None) -> None:
+    """Refuse at start an agent command whose program cannot be found (names the config key)."""
+    if command and shutil.which(command[0]) is None:
+        raise ConfigError(f"rollout.agent_command: program {command[0]!r} not found or not executable")

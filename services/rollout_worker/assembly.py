@@ -1,0 +1,78 @@
+"""Group assembly: proxy-recorded segments + verifier rewards -> one ``completed`` RolloutGroup.
+
+Pure functions, no I/O. Invariants:
+* every trajectory contributes its segments sorted by ``segment_index`` (duplicates refused);
+* the trajectory reward sits on its LAST segment, every earlier segment carries 0.0;
+* ``meta.prompt_group`` holds the PromptGroup as sent, so the collector can re-enqueue it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from services.rollout_worker.errors import TrajectoryFailed
+from shared.schemas import PromptGroup, RolloutGroup, Sample
+
+
+def session_id(group: PromptGroup, index: int, token: str | None = None) -> str:
+    """Proxy session id of trajectory ``index``: ``{group_id}-a{attempt}-s{index}-{short uuid}``."""
+    return f"{group.group_id}-a{group.attempt}-s{index}-{token or uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class TrajectoryResult:
+    """One finished trajectory: its recorded segments (reward already placed) and its score."""
+
+    session_id: str
+    reward: float
+    correct: bool
+    turns: int  # assistant replies the verifier saw
+    samples: list[Sample] = field(default_factory=list)
+
+
+def finalize_samples(session: str, raw_samples: Any, reward: float) -> list[Sample]:
+    """Validate the proxy's Sample dicts of one session, order them, and place the reward.
+
+    Raises ``TrajectoryFailed("no_samples_recorded" | "invalid_samples")``.
+    """
+    if not isinstance(raw_samples, list) or not raw_samples:
+        raise TrajectoryFailed("no_samples_recorded", "the proxy recorded no model call for this trajectory",
+                               session_id=session)
+    samples: list[Sample] = []
+    for i, raw in enumerate(raw_samples):
+        if isinstance(raw, dict) and not raw.get("traj_id"):
+            raw = {**raw, "traj_id": session}
+        try:
+            samples.append(Sample.model_validate(raw))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first.get("loc", ()))
+            raise TrajectoryFailed("invalid_samples", f"samples[{i}].{loc}: {first.get('msg')}",
+                                   session_id=session) from exc
+    samples.sort(key=lambda s: s.segment_index)
+    indices = [s.segment_index for s in samples]
+    if len(set(indices)) != len(indices):
+        raise TrajectoryFailed("invalid_samples", f"duplicate segment_index in {indices}", session_id=session)
+    for s in samples:
+        s.reward = 0.0
+    samples[-1].reward = float(reward)
+    return samples
+
+
+def completed_group(group: PromptGroup, results: Sequence[TrajectoryResult], consumer: str,
+                    started_at: float, finished_at: float, agent: str) -> RolloutGroup:
+    """The ``completed`` RolloutGroup of one attempt, trajectories in index order."""
+    samples = [s for r in results for s in r.samples]
+    return RolloutGroup(
+        group_id=group.group_id, prompt_id=group.prompt_id, attempt=group.attempt, status="completed",
+        error=None, samples=samples,
+        meta={"prompt_group": group.model_dump(mode="json"), "task": group.task, "n_samples": group.n_samples,
+              "rollout_started_at": started_at, "rollout_finished_at": finished_at, "worker": consumer,
+              "agent": agent, "sessions": [r.session_id for r in results],
+              "rewards": [r.reward for r in results], "correct": [r.correct for r in results],
+              "turns": [r.turns for r in results]})

@@ -1,0 +1,217 @@
+"""An in-process fake of the proxy for tests: same interface, same HTTP routes, scripted failures.
+
+``FakeProxy`` holds the state (sessions and their recorded Sample dicts, deletions, concurrency
+high-water mark) and answers like the real proxy. Three ways in, all sharing ``FakeProxy.handle``
+so they cannot drift apart:
+* ``FakeProxyClient`` — the ``ProxyClient`` interface, in process (unit tests of the runner);
+* ``fake.transport()`` — an ``httpx.MockTransport`` so ``HttpProxyClient`` runs against it;
+* ``serve(fake)`` — a real loopback HTTP server, for black-box agent subprocesses and workers.
+
+Recorded segments: one Sample per model call, context tokens = the characters of the messages
+(mask 0, version ``"-1"``), response tokens = the characters of the reply (mask 1, the fake's
+current ``version``). ``fail(session_id, call_index)`` returns an error code to inject:
+a proxy 502 code, ``"upstream_unavailable"`` (503) or ``"http_500"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import quote, unquote
+
+import httpx
+
+from services.rollout_worker.proxy_client import ChatMessages, chat_reply, proxy_error
+from shared.sample_versions import version_spans
+
+ReplyFn = Callable[[str, ChatMessages], str]  # (session_id, messages) -> assistant text
+FailFn = Callable[[str, int], str | None]  # (session_id, call index in the session) -> error code or None
+
+
+def _completion(text: str) -> dict[str, Any]:
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": "fake",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": len(text), "total_tokens": len(text)}}
+
+
+class FakeProxy:
+    """Proxy state + request handling; thread-safe (the HTTP server is threaded)."""
+
+    def __init__(self, reply: ReplyFn | None = None, version: str = "0", delay_s: float = 0.0,
+                 fail: FailFn | None = None, api_key: str | None = None) -> None:
+        self.reply = reply or (lambda sid, msgs: "42")
+        self.version, self.delay_s, self.fail, self.api_key = version, delay_s, fail, api_key
+        self.sessions: dict[str, list[dict[str, Any]]] = {}
+        self.deleted: list[str] = []
+        self.calls: list[tuple[str, ChatMessages]] = []
+        self.active = 0  # model calls in progress right now
+        self.max_active = 0  # high-water mark of concurrent model calls
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+
+    def leave(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def _record(self, session_id: str, messages: ChatMessages) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            index = len(self.sessions.get(session_id, []))
+            self.calls.append((session_id, [dict(m) for m in messages]))
+        code = self.fail(session_id, index) if self.fail else None
+        if code is not None:
+            status = {"upstream_unavailable": 503, "http_500": 500}.get(code, 502)
+            return status, {"detail": {"error": code, "message": f"fake proxy injected {code}"}}
+        text = self.reply(session_id, messages)
+        context = [ord(c) % 256 for m in messages for c in m.get("content", "")] or [0]
+        response = [ord(c) % 256 for c in text]
+        versions = ["-1"] * len(context) + [self.version] * len(response)
+        sample = {"traj_id": session_id, "segment_index": index, "token_ids": context + response,
+                  "loss_mask": [0] * len(context) + [1] * len(response),
+                  "logprobs": [0.0] * len(context) + [-0.5] * len(response),
+                  "token_versions": versions, "version_spans": version_spans(versions),
+                  "start_version": self.version if response else None,
+                  "end_version": self.version if response else None,
+                  "reward": 0.0, "finish_reason": "stop", "partial_rollout": False, "meta": {}}
+        with self._lock:
+            self.sessions.setdefault(session_id, []).append(sample)
+        return 200, _completion(text)
+
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
+        """Answer one HTTP request like the proxy (no delay; callers sleep ``delay_s``)."""
+        headers = {k.lower(): v for k, v in headers.items()}
+        if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
+            return 401, {"detail": {"error": "unauthorized", "message": "bad or missing bearer token"}}
+        parts = [unquote(p) for p in path.split("?")[0].strip("/").split("/")]
+        if method == "POST" and parts[-3:] == ["v1", "chat", "completions"]:
+            session = parts[1] if parts[0] == "s" and len(parts) == 5 else headers.get("x-session-id")
+            if not session:
+                return 400, {"detail": {"error": "missing_session", "message": "X-Session-Id header required"}}
+            try:
+                messages = json.loads(body or b"{}")["messages"]
+            except (ValueError, KeyError, TypeError):
+                return 422, {"detail": {"error": "invalid_request", "message": "messages required"}}
+            return self._record(session, messages)
+        if len(parts) == 3 and parts[:2] == ["v1", "sessions"]:
+            with self._lock:
+                if method == "GET" and parts[2] in self.sessions:
+                    return 200, {"session_id": parts[2], "samples": list(self.sessions[parts[2]]),
+                                 "versions": [self.version]}
+                if method == "DELETE":
+                    self.deleted.append(parts[2])
+                    if self.sessions.pop(parts[2], None) is not None:
+                        return 200, {"deleted": parts[2]}
+            return 404, {"detail": {"error": "unknown_session", "message": parts[2]}}
+        return 404, {"detail": f"no route {method} {path}"}
+
+    def transport(self) -> httpx.MockTransport:
+        """An httpx transport answering from this fake (async, honours ``delay_s`` for chat calls)."""
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            chat = request.url.path.endswith("/chat/completions")
+            if chat:
+                self.enter()
+            try:
+                if chat and self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                status, body = self.handle(request.method, request.url.raw_path.decode(),
+                                           dict(request.headers), request.content)
+            finally:
+                if chat:
+                    self.leave()
+            return httpx.Response(status, json=body)
+
+        return httpx.MockTransport(handler)
+
+
+class FakeProxyClient:
+    """``ProxyClient`` calling a ``FakeProxy`` directly (no HTTP), errors mapped like the HTTP client."""
+
+    def __init__(self, fake: FakeProxy, base_url: str = "http://fake-proxy") -> None:
+        self.fake, self.base_url, self.api_key = fake, base_url, fake.api_key
+
+    def _check(self, status: int, body: Any, session_id: str) -> Any:
+        if status >= 400:
+            raise proxy_error(status, body, session_id)
+        return body
+
+    async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
+        self.fake.enter()
+        try:
+            if self.fake.delay_s:
+                await asyncio.sleep(self.fake.delay_s)
+            status, body = self.fake.handle("POST", "/v1/chat/completions", self._headers(session_id),
+                                            json.dumps({"messages": messages}).encode())
+        finally:
+            self.fake.leave()
+        return chat_reply(self._check(status, body, session_id), session_id)
+
+    def _headers(self, session_id: str) -> dict[str, str]:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {"X-Session-Id": session_id, **auth}
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        status, body = self.fake.handle("GET", f"/v1/sessions/{quote(session_id, safe='')}",
+                                        self._headers(session_id), b"")
+        return dict(self._check(status, body, session_id))
+
+    async def delete_session(self, session_id: str) -> None:
+        status, body = self.fake.handle("DELETE", f"/v1/sessions/{quote(session_id, safe='')}",
+                                        self._headers(session_id), b"")
+        if status != 404:
+            self._check(status, body, session_id)
+
+    def agent_base_url(self, session_id: str) -> str:
+        return f"{self.base_url}/s/{quote(session_id, safe='')}/v1"
+
+    async def aclose(self) -> None:
+        return None
+
+
+@contextmanager
+def serve(fake: FakeProxy) -> Iterator[str]:
+    """Serve ``fake`` over real loopback HTTP in a thread; yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            chat = self.path.endswith("/chat/completions")
+            if chat:
+                fake.enter()
+            try:
+                if chat and fake.delay_s:
+                    time.sleep(fake.delay_s)
+                status, payload = fake.handle(self.command, self.path, dict(self.headers.items()), body)
+            finally:
+                if chat:
+                    fake.leave()
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_DELETE = _answer
+
+        def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="fake-proxy", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

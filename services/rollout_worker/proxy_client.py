@@ -1,0 +1,138 @@
+"""The worker's view of the proxy: a small async interface, its HTTP implementation, error mapping.
+
+Contract (ARCHITECTURE, proxy HTTP contract): ``POST /v1/chat/completions`` with header
+``X-Session-Id`` records one model call in that session; ``GET /v1/sessions/{id}`` returns
+``{"session_id", "samples": [Sample dicts], ...}``; ``DELETE /v1/sessions/{id}`` drops it; black-box
+agents reach the same session through the session-scoped base URL ``{proxy}/s/{id}/v1``.
+
+Every failure surfaces as ``TrajectoryFailed`` with a code: the proxy's own 502 ``detail.error``
+(``partial_rollout_staleness_exceeded``, ``trajectory_version_changed``, ``generation_preempted``),
+``upstream_unavailable`` (503), ``unknown_session`` (404), ``proxy_http_<status>``,
+``proxy_timeout`` or ``proxy_unreachable``. ``services.rollout_worker.fake_proxy`` implements the
+same interface in process for unit tests; both run through the same contract tests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import httpx
+
+from services.rollout_worker.errors import TrajectoryFailed
+
+ChatMessages = list[dict[str, str]]
+
+
+class ProxyClient(Protocol):
+    """What the group runner needs from the proxy."""
+
+    base_url: str  # e.g. "http://127.0.0.1:8800" (no trailing slash)
+    api_key: str | None  # bearer token the proxy expects; None = no auth
+
+    async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
+        """One model call recorded in ``session_id``; returns the assistant's text."""
+        ...
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        """The session record, including ``samples`` (Sample-shaped dicts)."""
+        ...
+
+    async def delete_session(self, session_id: str) -> None:
+        """Drop the session (unknown sessions are fine)."""
+        ...
+
+    def agent_base_url(self, session_id: str) -> str:
+        """The OpenAI base URL a black-box agent uses so its calls land in ``session_id``."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def _detail(body: Any) -> dict[str, Any]:
+    """The error object of a proxy error body: ``detail`` when it is a dict, else the top level."""
+    if isinstance(body, dict):
+        inner = body.get("detail")
+        return inner if isinstance(inner, dict) else body
+    return {}
+
+
+def proxy_error(status: int, body: Any, session_id: str | None = None) -> TrajectoryFailed:
+    """Map a non-2xx proxy response to a ``TrajectoryFailed`` (pure; used by the fake too)."""
+    detail = _detail(body)
+    message = str(detail.get("message") or detail.get("detail") or (body if isinstance(body, str) else ""))[:500]
+    code = detail.get("error") if isinstance(detail.get("error"), str) else None
+    if status == 502 and code:
+        return TrajectoryFailed(code, message, session_id=session_id)
+    if status == 503:
+        return TrajectoryFailed("upstream_unavailable", message, session_id=session_id)
+    if status == 404:
+        return TrajectoryFailed("unknown_session", message, session_id=session_id)
+    return TrajectoryFailed(f"proxy_http_{status}", message or (code or ""), session_id=session_id)
+
+
+def chat_reply(body: Any, session_id: str) -> str:
+    """The assistant text of an OpenAI chat completion body; raises ``TrajectoryFailed``."""
+    try:
+        content = body["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise TrajectoryFailed("invalid_proxy_response", "no choices[0].message.content",
+                               session_id=session_id) from exc
+    return content if isinstance(content, str) else ""
+
+
+class HttpProxyClient:
+    """``ProxyClient`` over HTTP with one shared ``httpx.AsyncClient`` (connection pooling)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, transport=transport,
+                                       timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                       limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+
+    async def _request(self, method: str, path: str, session_id: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = await self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise TrajectoryFailed("proxy_timeout", f"{method} {path}: {type(exc).__name__}",
+                                   session_id=session_id) from exc
+        except httpx.TransportError as exc:
+            raise TrajectoryFailed("proxy_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}",
+                                   session_id=session_id) from exc
+        if resp.status_code >= 400:
+            try:
+                body: Any = resp.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                body = resp.text[:500]
+            raise proxy_error(resp.status_code, body, session_id)
+        return resp
+
+    async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
+        payload = {"model": "policy", "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        resp = await self._request("POST", "/v1/chat/completions", session_id, json=payload,
+                                   headers={"X-Session-Id": session_id})
+        return chat_reply(resp.json(), session_id)
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        resp = await self._request("GET", f"/v1/sessions/{quote(session_id, safe='')}", session_id)
+        body = resp.json()
+        if not isinstance(body, dict):
+            raise TrajectoryFailed("invalid_proxy_response", "session body is not an object", session_id=session_id)
+        return body
+
+    async def delete_session(self, session_id: str) -> None:
+        try:
+            await self._request("DELETE", f"/v1/sessions/{quote(session_id, safe='')}", session_id)
+        except TrajectoryFailed as exc:
+            if exc.code != "unknown_session":
+                raise
+
+    def agent_base_url(self, session_id: str) -> str:
+        return f"{self.base_url}/s/{quote(session_id, safe='')}/v1"
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

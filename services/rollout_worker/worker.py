@@ -1,0 +1,239 @@
+"""The rollout worker loop: ``{p}:prompts`` (group ``rollout``) -> group runner -> ``{p}:rollouts``.
+
+Every entry this worker reads leaves it exactly one way, in one MULTI/EXEC with its XACK
+(``commit``): handed off completed, failed into the retry path (re-enqueued or dead-lettered),
+dead-lettered as poison — or it stays pending (crash, Redis down, stop past the grace period) for
+this consumer's next read of its own pending list or for another worker's reclaim.
+
+Loop: own pending entries first, then entries of dead workers idle for ``claim_idle_ms``
+(XAUTOCLAIM, every ``claim_idle_ms / 2``), then new entries; up to ``concurrency`` groups run at
+once. ``burst``: process what is available (including re-enqueued retries), then return 0.
+SIGTERM (``StopFlag``): read nothing more, give groups in hand ``grace_period_s`` to finish and
+hand off, cancel the rest (their entries stay pending), return 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+import redis
+
+from services.rollout_worker import metrics as prom
+from services.rollout_worker.commit import commit_completed, commit_failure, commit_poison, still_pending
+from services.rollout_worker.retry import decide, failed_rollout_group, staleness_rejection
+from services.rollout_worker.runner import GroupFailed, GroupRunner
+from shared.codec import decode_entry, entry_ids
+from shared.config import RolloutConfig
+from shared.errors import MalformedEntry
+from shared.keys import GROUP_ROLLOUT, Keys
+from shared.lifecycle import StopFlag
+from shared.schemas import PromptGroup
+from shared.streams import Entry, GroupReader, ensure_group, reclaim
+from shared.telemetry import Heartbeat, report_metrics
+
+log = logging.getLogger(__name__)
+SERVICE = "rollout-worker"
+POLL_S = 0.25  # how often the loop looks at the stop flag while groups run
+
+
+class RolloutWorker:
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: RolloutConfig, runner: GroupRunner, consumer: str,
+                 stop: StopFlag | None = None, heartbeat_ttl_s: float = 15.0, backoff_max_s: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.r, self.keys, self.cfg, self.runner, self.consumer = r, keys, cfg, runner, consumer
+        self.stop = stop or StopFlag()
+        self.clock, self.backoff_max_s = clock, backoff_max_s
+        self.reader = GroupReader(r, keys.prompts, GROUP_ROLLOUT, consumer)
+        self.heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
+        self.counts: Counter[str] = Counter()  # completed / reenqueued / dead_lettered / poison / skipped
+        self._claimed: deque[Entry] = deque()
+        self._active: set[bytes] = set()  # entry ids being processed now
+        self._next_reclaim = 0.0
+        self._errors = 0  # consecutive Redis errors (backoff)
+
+    def run(self, burst: bool = False) -> int:
+        """Run the loop (until stopped, or until drained with ``burst``), then close the proxy client."""
+        return asyncio.run(self._run_and_close(burst))
+
+    async def _run_and_close(self, burst: bool) -> int:
+        try:
+            while not self.stop.is_set:  # Redis may still be starting: bounded backoff, not a crash
+                try:
+                    await asyncio.to_thread(ensure_group, self.r, self.keys.prompts, GROUP_ROLLOUT)
+                    break
+                except redis.ConnectionError as exc:
+                    await self._backoff("start", exc)
+            return await self.run_async(burst)
+        finally:
+            await self.runner.proxy.aclose()
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _fetch(self, n: int, block_ms: int | None) -> list[Entry]:
+        """Up to ``n`` entries: reclaimed ones first (when due), then own pending / new ones."""
+        now = time.monotonic()
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + self.cfg.claim_idle_ms / 2000
+            got = reclaim(self.r, self.keys.prompts, GROUP_ROLLOUT, self.consumer, self.cfg.claim_idle_ms)
+            fresh = [e for e in got if e.id not in self._active]
+            if fresh:
+                log.info("reclaimed %d idle entries entry_ids=%s", len(fresh), [e.id.decode() for e in fresh])
+            self._claimed.extend(fresh)
+        out: list[Entry] = []
+        while self._claimed and len(out) < n:
+            out.append(self._claimed.popleft())
+        if len(out) < n:
+            got = self.reader.read(n - len(out), None if out else block_ms)
+            out.extend(e for e in got if e.id not in self._active)
+        return out
+
+    async def _fetch_safe(self, n: int, block_ms: int | None) -> list[Entry]:
+        try:
+            entries = await asyncio.to_thread(self._fetch, n, block_ms)
+            self._errors = 0
+            return entries
+        except redis.RedisError as exc:
+            await self._backoff("read", exc)
+            return []
+
+    async def _backoff(self, what: str, exc: Exception) -> None:
+        self._errors += 1
+        delay = min(self.backoff_max_s, 0.1 * 2 ** min(self._errors, 10))
+        log.warning("redis error during %s (retry in %.1fs): %s", what, delay, exc)
+        if "NOGROUP" in str(exc):
+            try:
+                ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)
+            except redis.RedisError:
+                pass
+        self.reader.reset()  # own pending entries (e.g. one whose commit failed) are read again
+        await asyncio.sleep(delay)
+
+    # -- one entry -------------------------------------------------------------------------------
+
+    async def _process(self, entry: Entry) -> None:
+        try:
+            group = decode_entry(entry.fields, PromptGroup)
+        except MalformedEntry as exc:
+            await asyncio.to_thread(commit_poison, self.r, self.keys, entry.id, entry.fields, exc.reason)
+            self.counts["poison"] += 1
+            prom.POISON.inc()
+            log.warning("poison entry dead-lettered entry_id=%s ids=%s reason=%s",
+                        entry.id.decode(), entry_ids(entry.fields), exc.reason)
+            return
+        log.info("rollout start group_id=%s attempt=%d entry_id=%s n_samples=%d task=%s",
+                 group.group_id, group.attempt, entry.id.decode(), group.n_samples, group.task)
+        started = self.clock()
+        try:
+            rollout = await self.runner.run(group)
+        except GroupFailed as gf:
+            f = gf.failure
+            await self._fail(entry, group, f.code, f.text, f.retryable, gf.started_at)
+            return
+        except Exception as exc:  # poison guard: a bug in a task plugin/runner fails the group, never the loop
+            log.exception("rollout crashed group_id=%s attempt=%d entry_id=%s",
+                          group.group_id, group.attempt, entry.id.decode())
+            await self._fail(entry, group, "internal_error", f"internal_error: {type(exc).__name__}: {exc}",
+                             True, started)
+            return
+        if not await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
+            return self._skip(group, entry)
+        await asyncio.to_thread(commit_completed, self.r, self.keys, entry.id, rollout)
+        self.counts["completed"] += 1
+        prom.GROUPS.labels("completed").inc()
+        prom.TRAJECTORIES.inc(group.n_samples)
+        seconds = rollout.meta["rollout_finished_at"] - rollout.meta["rollout_started_at"]
+        prom.GROUP_SECONDS.observe(seconds)
+        log.info("rollout done group_id=%s attempt=%d entry_id=%s reward_mean=%.3f end_versions=%s seconds=%.2f",
+                 group.group_id, group.attempt, entry.id.decode(), rollout.reward_mean,
+                 ",".join(rollout.end_versions), seconds)
+        await asyncio.to_thread(report_metrics, self.r, self.keys, SERVICE, {
+            "rollout/group_seconds": round(seconds, 4), "rollout/reward_mean": rollout.reward_mean,
+            "rollout/num_trajectories": group.n_samples, "rollout/num_segments": len(rollout.samples),
+            "group_id": group.group_id, "attempt": group.attempt, "consumer": self.consumer})
+
+    def _skip(self, group: PromptGroup, entry: Entry) -> None:
+        self.counts["skipped"] += 1
+        prom.GROUPS.labels("skipped_already_acked").inc()
+        log.warning("entry already acknowledged by another worker, result dropped group_id=%s attempt=%d entry_id=%s",
+                    group.group_id, group.attempt, entry.id.decode())
+
+    async def _fail(self, entry: Entry, group: PromptGroup, code: str, error: str, retryable: bool,
+                    started: float) -> None:
+        decision = decide(group, error, self.cfg.max_retries, self.clock(), retryable)
+        failed = failed_rollout_group(group, decision, self.consumer, started, self.clock())
+        if not await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
+            return self._skip(group, entry)
+        await asyncio.to_thread(commit_failure, self.r, self.keys, entry.id, entry.fields, decision, failed)
+        self.counts[decision.handled] += 1
+        prom.GROUPS.labels(decision.handled).inc()
+        log.warning("rollout failed group_id=%s attempt=%d entry_id=%s handled=%s reason=%s error=%s",
+                    group.group_id, group.attempt, entry.id.decode(), decision.handled, decision.reason, error[:300])
+        rejection = staleness_rejection(code, group.n_samples)  # this event's code only: no sticky markers
+        if rejection:
+            prom.REJECTED_GROUPS.inc()
+            prom.REJECTED_SAMPLES.inc(group.n_samples)
+            await asyncio.to_thread(report_metrics, self.r, self.keys, SERVICE, {
+                **rejection, "group_id": group.group_id, "attempt": group.attempt, "consumer": self.consumer})
+
+    async def _guarded(self, entry: Entry) -> None:
+        """``_process`` with Redis outages contained: the entry then stays pending and is read again."""
+        try:
+            await self._process(entry)
+        except redis.RedisError as exc:
+            await self._backoff(f"commit of entry_id={entry.id.decode()}", exc)
+        finally:
+            self._active.discard(entry.id)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def run_async(self, burst: bool = False) -> int:
+        in_flight: dict[asyncio.Task[None], Entry] = {}
+        read: asyncio.Task[list[Entry]] | None = None
+        starved = False  # burst: the last read found nothing; read again only after a group finishes
+        while not self.stop.is_set:
+            self.heartbeat.beat({"in_flight": len(in_flight), **self.counts})
+            prom.IN_FLIGHT.set(len(in_flight))
+            free = self.cfg.concurrency - len(in_flight)
+            if read is None and free > 0 and not starved:
+                read = asyncio.create_task(self._fetch_safe(free, None if burst else self.cfg.block_ms))
+            waiting: set[asyncio.Task[None] | asyncio.Task[list[Entry]]] = set(in_flight)
+            if read is not None:
+                waiting.add(read)
+            if not waiting:
+                break  # burst and nothing left
+            done, _ = await asyncio.wait(waiting, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if read is not None and read in done:
+                entries, read = read.result(), None
+                starved = burst and not entries
+                for e in entries:
+                    self._active.add(e.id)
+                    in_flight[asyncio.create_task(self._guarded(e), name=e.id.decode())] = e
+            for t in [t for t in in_flight if t in done]:
+                del in_flight[t]
+                starved = False
+                t.result()
+        if read is not None:
+            await read  # a blocking read ends within block_ms; what it got stays pending for reclaim
+        await self._drain(in_flight)
+        self.heartbeat.beat({"in_flight": 0, "stopping": True, **self.counts}, force=True)
+        prom.IN_FLIGHT.set(0)
+        log.info("rollout-worker stopped consumer=%s counts=%s", self.consumer, dict(self.counts))
+        return 0
+
+    async def _drain(self, in_flight: dict[asyncio.Task[None], Entry]) -> None:
+        """Stop: let groups in hand finish within the grace period; cancel the rest (left pending)."""
+        if not in_flight:
+            return
+        log.info("stopping: %d group(s) in hand, grace %.1fs", len(in_flight), self.cfg.grace_period_s)
+        pending: set[asyncio.Task[None]] = set(in_flight)
+        if self.cfg.grace_period_s > 0:
+            _, pending = await asyncio.wait(in_flight, timeout=self.cfg.grace_period_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for t in pending:
+            log.warning("left pending for reclaim entry_id=%s", in_flight[t].id.decode())

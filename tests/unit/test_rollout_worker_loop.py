@@ -1,0 +1,249 @@
+"""The worker loop on fakeredis + the fake proxy: hand-off, poison, retries, staleness counts, reclaim, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+
+from services.rollout_worker import commit as commit_mod
+from services.rollout_worker import metrics as prom
+from services.rollout_worker.errors import STALENESS_EXCEEDED
+from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient
+from services.rollout_worker.runner import GroupRunner
+from services.rollout_worker.worker import RolloutWorker
+from shared.codec import decode_entry, encode_entry
+from shared.config import RolloutConfig
+from shared.keys import GROUP_ROLLOUT, Keys
+from shared.lifecycle import StopFlag
+from shared.schemas import DeadLetter, PromptGroup, RolloutGroup
+from shared.streams import ensure_group
+from shared.telemetry import read_metrics
+
+
+@pytest.fixture
+def r() -> redis.Redis:
+    return fakeredis.FakeRedis()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys(f"u{uuid.uuid4().hex[:8]}")
+
+
+def solve(sid: str, msgs: list[dict[str, str]]) -> str:
+    return msgs[0]["content"].split()[1][::-1]
+
+
+def enqueue(r: redis.Redis, keys: Keys, n: int = 1, **kw: Any) -> list[PromptGroup]:
+    ensure_group(r, keys.prompts, GROUP_ROLLOUT)
+    out = []
+    for i in range(n):
+        digits = f"{100 + i}"
+        base: dict[str, Any] = {"group_id": f"g{i}", "prompt_id": f"p{i}", "task": "reverse",
+                                "prompt": f"reverse {digits}", "reference": digits[::-1], "n_samples": 2,
+                                "enqueued_at": 1.0}
+        g = PromptGroup(**{**base, **kw})
+        r.xadd(keys.prompts, encode_entry(g))  # type: ignore[arg-type]
+        out.append(g)
+    return out
+
+
+def worker(r: redis.Redis, keys: Keys, fake: FakeProxy, consumer: str = "w1", **cfg: Any) -> RolloutWorker:
+    conf = RolloutConfig(**{"block_ms": 20, **cfg})
+    return RolloutWorker(r, keys, conf, GroupRunner(FakeProxyClient(fake), conf, consumer), consumer,
+                         stop=StopFlag(), backoff_max_s=0.05)
+
+
+def rollouts(r: redis.Redis, keys: Keys) -> list[RolloutGroup]:
+    return [decode_entry(f, RolloutGroup) for _, f in r.xrange(keys.rollouts)]
+
+
+def pending(r: redis.Redis, keys: Keys) -> int:
+    return int(r.xpending(keys.prompts, GROUP_ROLLOUT)["pending"])
+
+
+def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}
+
+
+def test_burst_hands_every_group_off_with_its_prompt_acknowledged(r: redis.Redis, keys: Keys) -> None:
+    groups = enqueue(r, keys, 3)
+    fake = FakeProxy(reply=solve, version="4")
+    assert worker(r, keys, fake).run(burst=True) == 0
+    out = rollouts(r, keys)
+    assert [g.group_id for g in out] == ["g0", "g1", "g2"] and pending(r, keys) == 0
+    for g, rg in zip(groups, out, strict=True):
+        assert rg.status == "completed" and rg.attempt == 0 and len(rg.samples) == 2
+        assert rg.meta["worker"] == "w1" and PromptGroup.model_validate(rg.meta["prompt_group"]) == g
+        assert rg.meta["rewards"] == [1.0, 1.0] and rg.end_versions == ["4", "4"]
+    assert fake.sessions == {}  # every session deleted
+    reports = read_metrics(r, keys, "rollout-worker")
+    assert [m["group_id"] for m in reports] == ["g0", "g1", "g2"] and reports[0]["rollout/num_trajectories"] == 2
+    assert r.exists(keys.health("rollout-worker", "w1"))
+
+
+def test_poison_is_dead_lettered_with_its_bytes_and_the_loop_goes_on(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    r.xadd(keys.prompts, {"schema": "1", "kind": "prompt_group", "body": b"\xc1garbage"})
+    r.xadd(keys.prompts, {"junk": b"\x00\x01"})
+    enqueue(r, keys, 1, group_id="gz")
+    w = worker(r, keys, FakeProxy(reply=solve))
+    assert w.run(burst=True) == 0
+    assert [g.group_id for g in rollouts(r, keys)] == ["g0", "gz"] and pending(r, keys) == 0
+    dead = [decode_entry(f, DeadLetter) for _, f in r.xrange(keys.dead)]
+    assert [d.reason for d in dead] == ["malformed", "malformed"]
+    assert dead[0].fields["body"] == b"\xc1garbage" and "msgpack" in dead[0].error
+    assert dead[1].fields == {"junk": b"\x00\x01"} and "schema" in dead[1].error
+    assert stats(r, keys) == {"poison_dead_lettered": 2} and w.counts["poison"] == 2
+
+
+def test_failing_group_is_reenqueued_then_dead_lettered_at_the_last_attempt(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    fake = FakeProxy(reply=solve, fail=lambda sid, i: "trajectory_version_changed" if "-s1-" in sid else None)
+    w = worker(r, keys, fake, max_retries=2)
+    assert w.run(burst=True) == 0
+    out = rollouts(r, keys)
+    assert [(g.attempt, g.status, g.meta["handled"]) for g in out] == [
+        (0, "failed", "reenqueued"), (1, "failed", "reenqueued"), (2, "failed", "dead_lettered")]
+    assert all(g.error and g.error.startswith("trajectory_version_changed") and g.samples == [] for g in out)
+    prompts = [decode_entry(f, PromptGroup) for _, f in r.xrange(keys.prompts)]
+    assert [p.attempt for p in prompts] == [0, 1, 2] and pending(r, keys) == 0
+    assert prompts[2].meta["retry_history"][1]["attempt"] == 1 and prompts[2].enqueued_at > 1.0
+    (dead,) = [decode_entry(f, DeadLetter) for _, f in r.xrange(keys.dead)]
+    assert dead.reason == "retries_exhausted" and dead.error.startswith("trajectory_version_changed")
+    assert decode_entry(dead.fields, PromptGroup).attempt == 2  # the original bytes of the last attempt
+    assert stats(r, keys) == {"groups_reenqueued": 2, "groups_dead_lettered": 1}
+    assert len({sid for sid, _ in fake.calls}) == 6 and fake.sessions == {}
+
+
+def test_invalid_prompt_group_is_dead_lettered_without_retries(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1, task="chess")
+    worker(r, keys, FakeProxy(), max_retries=2).run(burst=True)
+    (dead,) = [decode_entry(f, DeadLetter) for _, f in r.xrange(keys.dead)]
+    assert dead.reason == "invalid_prompt_group" and "chess" in dead.error
+    assert [g.meta["handled"] for g in rollouts(r, keys)] == ["dead_lettered"]
+    assert stats(r, keys) == {"groups_dead_lettered": 1}
+
+
+def test_staleness_rejections_count_once_per_event_and_never_stick(r: redis.Redis, keys: Keys) -> None:
+    """attempt 0: every trajectory rejected for staleness; attempt 1: unrelated 503; attempt 2: success."""
+    enqueue(r, keys, 1, n_samples=3)
+
+    def fail(sid: str, i: int) -> str | None:
+        return {"-a0-": STALENESS_EXCEEDED, "-a1-": "upstream_unavailable"}.get(sid[sid.index("-a"):][:4])
+
+    before = prom.REJECTED_GROUPS._value.get()
+    worker(r, keys, FakeProxy(reply=solve, fail=fail), max_retries=2).run(burst=True)
+    out = rollouts(r, keys)
+    assert [(g.attempt, g.status) for g in out] == [(0, "failed"), (1, "failed"), (2, "completed")]
+    rejections = [m for m in read_metrics(r, keys, "rollout-worker")
+                  if "staleness/partial_rollout_rejected_groups" in m]
+    assert len(rejections) == 1  # the 503 of attempt 1 is not a staleness event, despite attempt 0's history
+    assert rejections[0]["staleness/partial_rollout_rejected_groups"] == 1
+    assert rejections[0]["staleness/partial_rollout_rejected_samples"] == 3 and rejections[0]["attempt"] == 0
+    assert prom.REJECTED_GROUPS._value.get() - before == 1
+
+
+def test_entries_of_a_dead_worker_are_reclaimed_after_the_idle_time(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 2)
+    r.xreadgroup(GROUP_ROLLOUT, "dead-worker", {keys.prompts: ">"}, count=2)  # read, then "crashed"
+    w = worker(r, keys, FakeProxy(reply=solve), claim_idle_ms=100)
+    w.run(burst=True)
+    assert rollouts(r, keys) == [] and pending(r, keys) == 2  # not idle long enough yet: left alone
+    time.sleep(0.15)
+    worker(r, keys, FakeProxy(reply=solve), consumer="w2", claim_idle_ms=100).run(burst=True)
+    assert sorted(g.group_id for g in rollouts(r, keys)) == ["g0", "g1"] and pending(r, keys) == 0
+    assert {g.meta["worker"] for g in rollouts(r, keys)} == {"w2"}
+
+
+def test_result_is_dropped_when_another_worker_already_acknowledged_the_entry(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+
+    def reply(sid: str, msgs: list[dict[str, str]]) -> str:
+        entry_id = r.xrange(keys.prompts)[0][0]
+        r.xack(keys.prompts, GROUP_ROLLOUT, entry_id)  # a reclaimer finished this group meanwhile
+        return solve(sid, msgs)
+
+    w = worker(r, keys, FakeProxy(reply=reply))
+    w.run(burst=True)
+    assert rollouts(r, keys) == [] and w.counts["skipped"] == 1
+
+
+def test_a_crash_inside_the_rollout_fails_the_group_into_the_retry_path(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 2)
+
+    def reply(sid: str, msgs: list[dict[str, str]]) -> str:
+        if sid.startswith("g0-a0"):
+            raise RuntimeError("plugin bug")
+        return solve(sid, msgs)
+
+    worker(r, keys, FakeProxy(reply=reply)).run(burst=True)
+    out = {(g.group_id, g.attempt): g for g in rollouts(r, keys)}
+    assert out[("g0", 0)].status == "failed" and "internal_error: RuntimeError: plugin bug" in (out[("g0", 0)].error or "")
+    assert out[("g0", 1)].status == "completed" and out[("g1", 0)].status == "completed"
+
+
+def test_concurrency_runs_several_groups_at_once(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 4)
+    fake = FakeProxy(reply=solve, delay_s=0.1)
+    worker(r, keys, fake, concurrency=2).run(burst=True)
+    assert fake.max_active == 4 and len(rollouts(r, keys)) == 4  # 2 groups x 2 trajectories
+
+
+def test_redis_error_at_commit_leaves_the_entry_pending_and_it_is_redone(
+        r: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
+    enqueue(r, keys, 1)
+    real = commit_mod.commit_completed
+    calls = []
+
+    def flaky(*args: Any) -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis.ConnectionError("connection reset")
+        return real(*args)
+
+    monkeypatch.setattr("services.rollout_worker.worker.commit_completed", flaky)
+    worker(r, keys, FakeProxy(reply=solve)).run(burst=True)
+    assert len(calls) == 2 and [g.group_id for g in rollouts(r, keys)] == ["g0"] and pending(r, keys) == 0
+
+
+async def stop_after(w: RolloutWorker, delay: float) -> int:
+    async def stopper() -> None:
+        await asyncio.sleep(delay)
+        w.stop.set()
+
+    task = asyncio.create_task(stopper())
+    code = await w.run_async(burst=False)
+    await task
+    return code
+
+
+def test_stop_lets_the_group_in_hand_finish_within_the_grace_period(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    w = worker(r, keys, FakeProxy(reply=solve, delay_s=0.3), grace_period_s=5)
+    assert asyncio.run(stop_after(w, 0.1)) == 0
+    assert [g.group_id for g in rollouts(r, keys)] == ["g0"] and pending(r, keys) == 0
+
+
+def test_stop_past_the_grace_period_leaves_the_entry_pending_for_reclaim(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    fake = FakeProxy(reply=solve, delay_s=30)
+    w = worker(r, keys, fake, grace_period_s=0.2)
+    t0 = time.monotonic()
+    assert asyncio.run(stop_after(w, 0.1)) == 0
+    assert time.monotonic() - t0 < 3
+    assert rollouts(r, keys) == [] and pending(r, keys) == 1 and len(fake.deleted) == 2
+
+
+def test_stopped_worker_reads_nothing_new(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 2)
+    w = worker(r, keys, FakeProxy(reply=solve))
+    w.stop.set()
+    assert w.run(burst=False) == 0
+    assert rollouts(r, keys) == [] and pending(r, keys) == 0
