@@ -124,7 +124,7 @@ class GroupCollector:
     def ingest(self, entries: list[Entry]) -> list[Action]:
         """Decode entries (poison dead-lettered at once) and hand the valid ones to the core."""
         arrivals: list[Arrival] = []
-        for entry in entries:
+        for entry in {e.id: e for e in entries}.values():  # reclaimed and re-read in one step: once
             try:
                 arrivals.append(Arrival(entry.id, decode_entry(entry.fields, RolloutGroup), entry.fields))
             except Exception as exc:  # the poison guard: whatever fails to decode is dead-lettered

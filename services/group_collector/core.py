@@ -94,9 +94,11 @@ class CollectorCore:
         actions: list[Action] = []
         new: list[Arrival] = []
         fresh: set[str] = set()
+        seen_ids: set[bytes] = set()
         for arrival, is_done, is_closed in zip(arrivals, done, closed, strict=True):
-            if self._holding(arrival):
-                continue  # never ack a waiting entry for being seen twice: it is still owed a batch
+            if arrival.entry_id in seen_ids or self._holding(arrival):
+                continue  # the same entry twice (reclaimed + re-read): one decision, never an ack for it
+            seen_ids.add(arrival.entry_id)
             why = self._duplicate(arrival, is_done, is_closed, fresh)
             if why is not None:
                 actions.append(Discard({"groups_duplicate_discarded": 1}, arrival, why))

@@ -66,10 +66,12 @@ class PromptBuffer:
 
     # --- reading state -------------------------------------------------------------------
 
-    def cursor(self) -> Cursor:
-        raw = self.r.hgetall(self.cursor_key)
+    def _parse_cursor(self, raw: dict[bytes, bytes]) -> Cursor:
         return Cursor(_int(raw.get(b"epoch"), f"{self.cursor_key}.epoch"),
                       _int(raw.get(b"position"), f"{self.cursor_key}.position"))
+
+    def cursor(self) -> Cursor:
+        return self._parse_cursor(self.r.hgetall(self.cursor_key))
 
     def inputs(self) -> PacingInputs:
         latest = read_latest(self.r, self.keys)
@@ -96,8 +98,7 @@ class PromptBuffer:
             while True:
                 try:
                     pipe.watch(self.cursor_key)
-                    raw = pipe.hgetall(self.cursor_key)
-                    cursor = Cursor(_int(raw.get(b"epoch"), "epoch"), _int(raw.get(b"position"), "position"))
+                    cursor = self._parse_cursor(pipe.hgetall(self.cursor_key))
                     items, after = self.schedule.take(cursor, limit)
                     if not items:
                         pipe.reset()
