@@ -8,6 +8,7 @@ Pure functions, no I/O. Invariants:
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,10 +19,20 @@ from pydantic import ValidationError
 from services.rollout_worker.errors import TrajectoryFailed
 from shared.schemas import PromptGroup, RolloutGroup, Sample
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:@+=-]")
+MAX_GROUP_PART = 200  # keeps the whole id within the proxy's 256 characters
+
 
 def session_id(group: PromptGroup, index: int, token: str | None = None) -> str:
-    """Proxy session id of trajectory ``index``: ``{group_id}-a{attempt}-s{index}-{short uuid}``."""
-    return f"{group.group_id}-a{group.attempt}-s{index}-{token or uuid.uuid4().hex[:8]}"
+    """Proxy session id of trajectory ``index``: ``{group_id}-a{attempt}-s{index}-{short uuid}``.
+
+    The proxy accepts ``[A-Za-z0-9._:@+=-]{1,256}`` starting with a letter or digit: other characters
+    of the group id become ``_`` and a long group id is cut (the uuid keeps the id unique).
+    """
+    part = _UNSAFE.sub("_", group.group_id)[:MAX_GROUP_PART]
+    if not part[:1].isalnum():
+        part = "g" + part
+    return f"{part}-a{group.attempt}-s{index}-{token or uuid.uuid4().hex[:8]}"
 
 
 @dataclass

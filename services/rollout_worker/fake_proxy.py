@@ -10,7 +10,7 @@ so they cannot drift apart:
 Recorded segments: one Sample per model call, context tokens = the characters of the messages
 (mask 0, version ``"-1"``), response tokens = the characters of the reply (mask 1, the fake's
 current ``version``). ``fail(session_id, call_index)`` returns an error code to inject:
-a proxy 502 code, ``"upstream_unavailable"`` (503) or ``"http_500"``.
+a proxy 502 code, ``"upstream_unavailable"`` or ``"over_capacity"`` (503s) or ``"http_500"``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ from urllib.parse import quote, unquote
 
 import httpx
 
-from services.rollout_worker.proxy_client import ChatMessages, chat_reply, proxy_error
+from services.rollout_worker.errors import TrajectoryFailed
+from services.rollout_worker.proxy_client import (
+    MAX_BACKPRESSURE_RETRIES,
+    OVER_CAPACITY,
+    ChatMessages,
+    chat_reply,
+    proxy_error,
+    retry_after,
+)
 from shared.sample_versions import version_spans
 
 ReplyFn = Callable[[str, ChatMessages], str]  # (session_id, messages) -> assistant text
@@ -69,7 +77,7 @@ class FakeProxy:
             self.calls.append((session_id, [dict(m) for m in messages]))
         code = self.fail(session_id, index) if self.fail else None
         if code is not None:
-            status = {"upstream_unavailable": 503, "http_500": 500}.get(code, 502)
+            status = {"upstream_unavailable": 503, "over_capacity": 503, "http_500": 500}.get(code, 502)
             return status, {"detail": {"error": code, "message": f"fake proxy injected {code}"}}
         text = self.reply(session_id, messages)
         context = [ord(c) % 256 for m in messages for c in m.get("content", "")] or [0]
@@ -113,22 +121,35 @@ class FakeProxy:
             return 404, {"detail": {"error": "unknown_session", "message": parts[2]}}
         return 404, {"detail": f"no route {method} {path}"}
 
+    async def handle_async(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
+        """``handle`` after ``delay_s`` for model calls, counted as in flight meanwhile."""
+        if not path.split("?")[0].endswith("/chat/completions"):
+            return self.handle(method, path, headers, body)
+        self.enter()
+        try:
+            await asyncio.sleep(self.delay_s)
+            return self.handle(method, path, headers, body)
+        finally:
+            self.leave()
+
+    def handle_blocking(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
+        """``handle_async`` for server threads."""
+        if not path.split("?")[0].endswith("/chat/completions"):
+            return self.handle(method, path, headers, body)
+        self.enter()
+        try:
+            time.sleep(self.delay_s)
+            return self.handle(method, path, headers, body)
+        finally:
+            self.leave()
+
     def transport(self) -> httpx.MockTransport:
         """An httpx transport answering from this fake (async, honours ``delay_s`` for chat calls)."""
 
         async def handler(request: httpx.Request) -> httpx.Response:
-            chat = request.url.path.endswith("/chat/completions")
-            if chat:
-                self.enter()
-            try:
-                if chat and self.delay_s:
-                    await asyncio.sleep(self.delay_s)
-                status, body = self.handle(request.method, request.url.raw_path.decode(),
-                                           dict(request.headers), request.content)
-            finally:
-                if chat:
-                    self.leave()
-            return httpx.Response(status, json=body)
+            status, body = await self.handle_async(request.method, request.url.raw_path.decode(),
+                                                   dict(request.headers), request.content)
+            return httpx.Response(status, json=body, headers={"Retry-After": "0"} if status == 503 else None)
 
         return httpx.MockTransport(handler)
 
@@ -139,36 +160,35 @@ class FakeProxyClient:
     def __init__(self, fake: FakeProxy, base_url: str = "http://fake-proxy") -> None:
         self.fake, self.base_url, self.api_key = fake, base_url, fake.api_key
 
-    def _check(self, status: int, body: Any, session_id: str) -> Any:
-        if status >= 400:
-            raise proxy_error(status, body, session_id)
-        return body
-
-    async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
-        self.fake.enter()
-        try:
-            if self.fake.delay_s:
-                await asyncio.sleep(self.fake.delay_s)
-            status, body = self.fake.handle("POST", "/v1/chat/completions", self._headers(session_id),
-                                            json.dumps({"messages": messages}).encode())
-        finally:
-            self.fake.leave()
-        return chat_reply(self._check(status, body, session_id), session_id)
-
     def _headers(self, session_id: str) -> dict[str, str]:
         auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return {"X-Session-Id": session_id, **auth}
 
+    async def _call(self, method: str, path: str, session_id: str, body: bytes = b"") -> Any:
+        """One request through ``FakeProxy.handle`` with the HTTP client's error and backpressure rules."""
+        for _ in range(MAX_BACKPRESSURE_RETRIES):
+            status, answer = await self.fake.handle_async(method, path, self._headers(session_id), body)
+            if status < 400:
+                return answer
+            failure = proxy_error(status, answer, session_id)
+            if failure.code != OVER_CAPACITY:
+                raise failure
+            await asyncio.sleep(retry_after("0"))
+        raise failure
+
+    async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
+        body = await self._call("POST", "/v1/chat/completions", session_id, json.dumps({"messages": messages}).encode())
+        return chat_reply(body, session_id)
+
     async def session(self, session_id: str) -> dict[str, Any]:
-        status, body = self.fake.handle("GET", f"/v1/sessions/{quote(session_id, safe='')}",
-                                        self._headers(session_id), b"")
-        return dict(self._check(status, body, session_id))
+        return dict(await self._call("GET", f"/v1/sessions/{quote(session_id, safe='')}", session_id))
 
     async def delete_session(self, session_id: str) -> None:
-        status, body = self.fake.handle("DELETE", f"/v1/sessions/{quote(session_id, safe='')}",
-                                        self._headers(session_id), b"")
-        if status != 404:
-            self._check(status, body, session_id)
+        try:
+            await self._call("DELETE", f"/v1/sessions/{quote(session_id, safe='')}", session_id)
+        except TrajectoryFailed as exc:
+            if exc.code != "unknown_session":
+                raise
 
     def agent_base_url(self, session_id: str) -> str:
         return f"{self.base_url}/s/{quote(session_id, safe='')}/v1"
@@ -184,18 +204,11 @@ def serve(fake: FakeProxy) -> Iterator[str]:
     class Handler(BaseHTTPRequestHandler):
         def _answer(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            chat = self.path.endswith("/chat/completions")
-            if chat:
-                fake.enter()
-            try:
-                if chat and fake.delay_s:
-                    time.sleep(fake.delay_s)
-                status, payload = fake.handle(self.command, self.path, dict(self.headers.items()), body)
-            finally:
-                if chat:
-                    fake.leave()
+            status, payload = fake.handle_blocking(self.command, self.path, dict(self.headers.items()), body)
             data = json.dumps(payload).encode()
             self.send_response(status)
+            if status == 503:
+                self.send_header("Retry-After", "0")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()

@@ -10,10 +10,13 @@ Every failure surfaces as ``TrajectoryFailed`` with a code: the proxy's own 502 
 ``upstream_unavailable`` (503), ``unknown_session`` (404), ``proxy_http_<status>``,
 ``proxy_timeout`` or ``proxy_unreachable``. ``services.rollout_worker.fake_proxy`` implements the
 same interface in process for unit tests; both run through the same contract tests.
+A 503 ``over_capacity`` is backpressure, not a failure: the request is repeated after its
+``Retry-After`` (the trajectory timeout bounds the wait).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -23,6 +26,8 @@ import httpx
 from services.rollout_worker.errors import TrajectoryFailed
 
 ChatMessages = list[dict[str, str]]
+OVER_CAPACITY = "over_capacity"  # 503 backpressure: waited out (Retry-After), not a trajectory failure
+MAX_BACKPRESSURE_RETRIES = 1000  # the trajectory timeout bounds the wait long before this
 
 
 class ProxyClient(Protocol):
@@ -66,10 +71,19 @@ def proxy_error(status: int, body: Any, session_id: str | None = None) -> Trajec
     if status == 502 and code:
         return TrajectoryFailed(code, message, session_id=session_id)
     if status == 503:
-        return TrajectoryFailed("upstream_unavailable", message, session_id=session_id)
+        return TrajectoryFailed(OVER_CAPACITY if code == OVER_CAPACITY else "upstream_unavailable", message,
+                                session_id=session_id)
     if status == 404:
         return TrajectoryFailed("unknown_session", message, session_id=session_id)
     return TrajectoryFailed(f"proxy_http_{status}", message or (code or ""), session_id=session_id)
+
+
+def retry_after(header: str | None, cap_s: float = 5.0) -> float:
+    """Seconds to wait on a 503 ``over_capacity`` (its ``Retry-After``, 0.5 s if absent, capped)."""
+    try:
+        return min(cap_s, max(0.05, float(header))) if header else 0.5
+    except ValueError:
+        return 0.5
 
 
 def chat_reply(body: Any, session_id: str) -> str:
@@ -95,21 +109,26 @@ class HttpProxyClient:
                                        limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
 
     async def _request(self, method: str, path: str, session_id: str, **kwargs: Any) -> httpx.Response:
-        try:
-            resp = await self._http.request(method, path, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise TrajectoryFailed("proxy_timeout", f"{method} {path}: {type(exc).__name__}",
-                                   session_id=session_id) from exc
-        except httpx.TransportError as exc:
-            raise TrajectoryFailed("proxy_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}",
-                                   session_id=session_id) from exc
-        if resp.status_code >= 400:
+        for _ in range(MAX_BACKPRESSURE_RETRIES):
+            try:
+                resp = await self._http.request(method, path, **kwargs)
+            except httpx.TimeoutException as exc:
+                raise TrajectoryFailed("proxy_timeout", f"{method} {path}: {type(exc).__name__}",
+                                       session_id=session_id) from exc
+            except httpx.TransportError as exc:
+                raise TrajectoryFailed("proxy_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}",
+                                       session_id=session_id) from exc
+            if resp.status_code < 400:
+                return resp
             try:
                 body: Any = resp.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
                 body = resp.text[:500]
-            raise proxy_error(resp.status_code, body, session_id)
-        return resp
+            failure = proxy_error(resp.status_code, body, session_id)
+            if failure.code != OVER_CAPACITY:
+                raise failure
+            await asyncio.sleep(retry_after(resp.headers.get("Retry-After")))
+        raise failure
 
     async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
         payload = {"model": "policy", "messages": messages, "max_tokens": max_tokens, "temperature": temperature}

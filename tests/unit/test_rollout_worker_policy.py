@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -96,6 +97,12 @@ def test_session_ids_name_group_attempt_and_index_and_are_unique() -> None:
     ids = {session_id(g, i) for i in range(3)} | {session_id(g, 0)}
     assert len(ids) == 4
     assert session_id(g, 1, "abcd") == "grp-a2-s1-abcd"
+
+
+def test_session_ids_only_use_characters_the_proxy_accepts() -> None:
+    sid = session_id(group(group_id="_run/7 #x" + "y" * 240, attempt=1), 3, "ab12")
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,255}", sid) and sid.endswith("-a1-s3-ab12")
+    assert sid.startswith("g_run_7__x")
 
 
 def test_reward_goes_on_the_last_segment_only_in_segment_order() -> None:

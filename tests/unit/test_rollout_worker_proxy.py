@@ -65,6 +65,19 @@ def test_proxy_errors_map_to_trajectory_failures(kind: str, code: str, expected:
 
 
 @CLIENTS
+def test_over_capacity_is_waited_out_not_a_failure(kind: str) -> None:
+    refusals = [2]
+
+    def fail(sid: str, i: int) -> str | None:
+        refusals[0] -= 1
+        return "over_capacity" if refusals[0] >= 0 else None
+
+    fake = FakeProxy(fail=fail)
+    assert run(lambda: make_client(kind, fake).chat("s", MSGS, 8, 1.0)) == "42"
+    assert len(fake.calls) == 3 and len(fake.sessions["s"]) == 1
+
+
+@CLIENTS
 def test_unknown_session_is_a_failure_but_deleting_it_is_fine(kind: str) -> None:
     client = make_client(kind, FakeProxy())
     with pytest.raises(TrajectoryFailed) as info:
@@ -143,6 +156,7 @@ def test_malformed_completion_is_a_failure() -> None:
     (502, {"error": "generation_preempted"}, "generation_preempted"),  # top-level error object
     (502, "Bad Gateway", "proxy_http_502"),  # a 502 from something else in between
     (503, {"detail": "upstream_unavailable"}, "upstream_unavailable"),
+    (503, {"detail": {"error": "over_capacity"}}, "over_capacity"),
     (404, {"detail": "no such session"}, "unknown_session"),
     (422, {"detail": [{"loc": ["body"]}]}, "proxy_http_422"),
 ])
