@@ -1,0 +1,1 @@
+"""eval-worker: an rq worker running the evaluation jobs the trainer queues (``shared.evaluation``)."""

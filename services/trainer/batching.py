@@ -1,0 +1,150 @@
+"""Trainer batches → training rows → padded tensors in micro-batches; checks at the edge.
+
+Contract:
+* ``validate_batch`` refuses (``InvalidBatch``, naming the field) a batch the model cannot train
+  on: no completed group with samples, a token id outside the vocabulary, a sequence longer than
+  the model's context, a sample with loss on no token. The loop dead-letters such a batch.
+* ``build_rows`` turns the batches of one optimizer step into rows (one per sample) carrying the
+  GRPO advantage of its trajectory and its train mask (``loss.train_masks``). Failed groups carry
+  no samples to train and are skipped.
+* ``micro_batches`` + ``collate`` pad rows on the right into ``[B, T]`` tensors, grouped by length
+  so little compute goes to padding; the order of rows inside a step does not change the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.trainer.loss import sample_advantages, train_masks, trajectory_rewards
+from shared.errors import DressageError
+from shared.schemas import Batch
+from shared.staleness import trajectory_version_infos
+
+
+class InvalidBatch(DressageError):
+    """A decoded batch the trainer cannot train on; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One sample ready to train: tokens, train mask, behaviour logprobs and its advantage."""
+
+    token_ids: list[int]
+    mask: list[int]  # 1 = token carries loss (loss_mask, position 0 off, optional version mask)
+    rollout_logprobs: list[float]  # behaviour-policy logprob per token (0.0 where mask is 0)
+    advantage: float  # GRPO advantage of the sample's trajectory
+
+
+@dataclass
+class StepRows:
+    """Everything one optimizer step trains on, flattened over its batches."""
+
+    rows: list[TrainRow] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # one per trajectory, all groups
+    n_groups: int = 0  # completed groups trained
+    n_failed_groups: int = 0  # failed groups skipped (no samples to train)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(sum(r.mask) for r in self.rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+@dataclass
+class Tensors:
+    """A padded micro-batch, ``[B, T]`` unless noted."""
+
+    input_ids: torch.Tensor  # long, padded with pad_id
+    attention_mask: torch.Tensor  # long, 1 on real tokens
+    mask: torch.Tensor  # float, 1 on loss tokens
+    rollout_logp: torch.Tensor  # float32 behaviour logprobs
+    advantages: torch.Tensor  # float32 [B]
+
+
+def validate_batch(batch: Batch, vocab_size: int, max_len: int) -> None:
+    """Raise ``InvalidBatch`` naming the first field that makes ``batch`` untrainable."""
+    trainable = 0
+    for g, group in enumerate(batch.groups):
+        if group.status != "completed":
+            continue
+        for i, s in enumerate(group.samples):
+            where = f"groups[{g}].samples[{i}]"
+            n = len(s.token_ids)
+            if n < 2:
+                raise InvalidBatch(f"{where}.token_ids: needs at least 2 tokens, got {n} (group_id={group.group_id})")
+            if n > max_len:
+                raise InvalidBatch(f"{where}.token_ids: {n} tokens exceed the model context {max_len} "
+                                   f"(group_id={group.group_id})")
+            bad = next((t for t in s.token_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidBatch(f"{where}.token_ids: id {bad} outside the vocabulary [0, {vocab_size}) "
+                                   f"(group_id={group.group_id})")
+            trainable += 1
+    if trainable == 0:
+        raise InvalidBatch(f"groups: batch {batch.batch_id} has no completed group with samples")
+
+
+def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool) -> StepRows:
+    """Rows, trajectory rewards and group counts of one optimizer step."""
+    out = StepRows()
+    for batch in batches:
+        for group in batch.groups:
+            if group.status != "completed" or not group.samples:
+                out.n_failed_groups += 1
+                continue
+            out.n_groups += 1
+            samples = group.samples
+            out.rewards.extend(trajectory_rewards(samples))
+            advantages = sample_advantages(samples, std_normalize)
+            masks = train_masks(samples, mask_nonlast)
+            for s, adv, mask in zip(samples, advantages, masks, strict=True):
+                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv))
+    return out
+
+
+def micro_batches(rows: Sequence[TrainRow], micro_batch_size: int) -> list[list[TrainRow]]:
+    """Rows sorted longest first, cut into chunks of at most ``micro_batch_size``."""
+    ordered = sorted(rows, key=lambda r: len(r.token_ids), reverse=True)
+    return [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
+
+
+def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = "cpu") -> Tensors:
+    """Right-padded tensors of ``rows`` on ``device``."""
+    width = max(len(r.token_ids) for r in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.float32)
+    logp = torch.zeros((n, width), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        k = len(r.token_ids)
+        input_ids[b, :k] = torch.tensor(r.token_ids, dtype=torch.long)
+        attention[b, :k] = 1
+        mask[b, :k] = torch.tensor(r.mask, dtype=torch.float32)
+        logp[b, :k] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
+    return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device))
+
+
+def version_gap(batches: Sequence[Batch], current_version: int) -> tuple[float, int] | None:
+    """Mean and max of ``current_version - end version`` over the step's trajectories.
+
+    Only integer end versions count (the trainer publishes "0", "1", ...); None when there is none.
+    """
+    gaps: list[int] = []
+    for batch in batches:
+        for group in batch.groups:
+            for info in trajectory_version_infos(group):
+                try:
+                    gaps.append(current_version - int(info.version))
+                except ValueError:
+                    continue
+    if not gaps:
+        return None
+    return sum(gaps) / len(gaps), max(gaps)

@@ -1,0 +1,190 @@
+"""Checkpoints on the checkpoint volume: atomic write, completeness, resume state, pruning.
+
+Layout under ``train.checkpoint_dir``::
+
+    v00000003/                  a complete checkpoint of version "3" (Hugging Face layout)
+        config.json  generation_config.json  model.safetensors  tokenizer files
+        trainer_state.pt        optimizer, scheduler, RNG, step, version, counters, consumed batch ids
+        checkpoint.json         manifest written last: version, step, every file with its size
+    .tmp-v00000004-<random>/    being written (or left by a crash): never loaded, removed at start
+    .trash-v00000001-<random>/  being pruned: never loaded, removed at start
+
+Invariants:
+* a directory named ``v<version>`` is complete: it is written under a temporary name, every file
+  and the directory are fsynced, then it is renamed into place (one atomic rename) and the parent
+  is fsynced. ``complete()`` also checks the manifest against the files, so even a directory damaged
+  behind our back is skipped, never loaded;
+* a version directory is never overwritten (versions are never reused);
+* pruning renames a directory to ``.trash-*`` before deleting it, so a crash mid-delete leaves
+  nothing that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.trainer.faults import fault_point
+from shared.errors import DressageError
+from shared.modeling import missing_files
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+MANIFEST = "checkpoint.json"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+
+
+class CheckpointError(DressageError):
+    """A checkpoint cannot be written or read (e.g. its version directory already exists)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    version: int  # the weight version this checkpoint is published as
+    step: int  # optimizer steps taken when it was written
+    path: Path  # the complete directory
+
+
+def dir_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def rng_state() -> dict[str, Any]:
+    """Python and torch RNG states (CUDA too when present), loadable with ``weights_only``."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointStore:
+    """The checkpoint directory of one trainer."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, version: int) -> Path:
+        return self.root / dir_name(version)
+
+    def cleanup_temp(self) -> list[Path]:
+        """Remove temporary and trash directories left by a crash; returns what was removed."""
+        removed = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+                log.warning("removed leftover checkpoint directory %s", p)
+        return removed
+
+    def _read_complete(self, p: Path) -> CheckpointInfo | None:
+        try:
+            manifest = json.loads((p / MANIFEST).read_text())
+            files: dict[str, int] = manifest["files"]
+            if any((p / name).stat().st_size != size for name, size in files.items()):
+                raise ValueError("a file's size differs from the manifest")
+            if STATE_FILE not in files or missing_files(p):
+                raise ValueError("required files missing")
+            info = CheckpointInfo(int(manifest["version"]), int(manifest["step"]), p)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping incomplete checkpoint %s: %s", p, exc)
+            return None
+        if p.name != dir_name(info.version):
+            log.warning("skipping checkpoint %s: manifest says version=%d", p, info.version)
+            return None
+        return info
+
+    def complete(self) -> list[CheckpointInfo]:
+        """Every complete checkpoint, oldest version first."""
+        found = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit():
+                info = self._read_complete(p)
+                if info is not None:
+                    found.append(info)
+        return sorted(found, key=lambda i: i.version)
+
+    def newest(self) -> CheckpointInfo | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def write(self, version: int, step: int, save_weights: Callable[[Path], None],
+              state: dict[str, Any]) -> CheckpointInfo:
+        """Write checkpoint ``version`` atomically; ``save_weights(dir)`` writes the HF files."""
+        final = self.path_for(version)
+        if final.exists():
+            raise CheckpointError(f"checkpoint {final} already exists; versions are never reused")
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dir_name(version)}-", dir=self.root))
+        try:
+            save_weights(tmp)
+            torch.save(state, tmp / STATE_FILE)
+            missing = missing_files(tmp)
+            if missing:
+                raise CheckpointError(f"checkpoint {tmp} lacks {', '.join(missing)}")
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            fault_point("mid_checkpoint")
+            (tmp / MANIFEST).write_text(json.dumps({"version": version, "step": step, "files": files},
+                                                   indent=1, sort_keys=True))
+            _fsync_tree(tmp)
+            os.rename(tmp, final)
+            _fsync_path(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("checkpoint written version=%d step=%d path=%s", version, step, final)
+        return CheckpointInfo(version, step, final)
+
+    def load_state(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The trainer state of a checkpoint (tensors and plain values only; nothing unpickled)."""
+        state: dict[str, Any] = torch.load(info.path / STATE_FILE, map_location="cpu", weights_only=True)
+        return state
+
+    def prune(self, keep: int, referenced: Iterable[str | Path] = ()) -> list[Path]:
+        """Delete all but the newest ``keep`` checkpoints and those in ``referenced``."""
+        done = self.complete()
+        pinned = {Path(p).resolve() for p in referenced}
+        survivors = {i.path.resolve() for i in done[-keep:]} | pinned
+        removed = []
+        for info in done:
+            if info.path.resolve() in survivors:
+                continue
+            trash = self.root / f"{TRASH_PREFIX}{info.path.name}-{os.urandom(4).hex()}"
+            os.rename(info.path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(info.path)
+            log.info("pruned checkpoint version=%d path=%s", info.version, info.path)
+        return removed

@@ -1,0 +1,288 @@
+"""The trainer's Redis shell: consume batches → train → checkpoint → acknowledge → publish.
+
+Invariants (ARCHITECTURE §6–7, docs/trainer.md):
+* a batch is acknowledged only after the checkpoint that contains its step is renamed into place:
+  XACK and the ``{p}:stats`` counters ``batches_trained``/``groups_trained`` go in one MULTI/EXEC;
+* a version is published only after its checkpoint is complete, and version numbers only grow;
+* every checkpoint records the stream ids (and batch ids) of the batches it consumed, plus a
+  bounded history of earlier ones: a batch re-delivered after a crash between the rename and the
+  XACK is acknowledged without training it again — a batch is never trained twice;
+* with ``train.update_weights_interval`` = k > 1 a checkpoint (and a version) comes every k steps;
+  batches of the steps in between stay pending, so a crash retrains them from the last checkpoint;
+* a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
+  original bytes in the same MULTI as its XACK, and the loop goes on;
+* on a Redis error the loop backs off (bounded), then re-syncs exactly as a restart would:
+  re-read its own pending entries and publish the newest checkpoint if it is not announced yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from services.trainer.batching import InvalidBatch, version_gap
+from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_state
+from services.trainer.faults import fault_point
+from services.trainer.learner import Learner
+from services.trainer.resume import ResumePlan, version_index
+from services.trainer.sinks import MetricSinks
+from shared.codec import decode_entry, entry_ids
+from shared.config import DressageConfig
+from shared.errors import MalformedEntry
+from shared.evaluation import enqueue_eval
+from shared.keys import GROUP_TRAINER
+from shared.lifecycle import StopFlag
+from shared.schemas import Batch, WeightVersion
+from shared.streams import Entry, GroupReader, dead_letter_fields, ensure_group, reclaim
+from shared.telemetry import Heartbeat, report_metrics
+from shared.versionbus import publish_version, read_latest
+
+log = logging.getLogger(__name__)
+
+SERVICE = "trainer"
+Held = tuple[str, Batch]  # (stream entry id, decoded batch) trained or about to be
+
+
+class RecentIds:
+    """An insertion-ordered set of the newest ``limit`` ids."""
+
+    def __init__(self, items: list[str], limit: int) -> None:
+        self._items: dict[str, None] = dict.fromkeys(items[-limit:])
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def as_list(self) -> list[str]:
+        return list(self._items)
+
+
+class TrainerLoop:
+    def __init__(self, r: redis.Redis, cfg: DressageConfig, learner: Learner, tokenizer: Any,
+                 store: CheckpointStore, plan: ResumePlan, restored: dict[str, Any] | None,
+                 stop: StopFlag, sinks: MetricSinks | None = None) -> None:
+        self.r, self.cfg, self.keys = r, cfg, cfg.keys()
+        self.learner, self.tokenizer, self.store, self.plan = learner, tokenizer, store, plan
+        self.stop, self.sinks = stop, sinks
+        st = restored or {}
+        limit = cfg.train.remember_batch_ids
+        self.version = plan.version  # version of the newest checkpoint (or publication) so far
+        self.batches_trained = int(st.get("batches_trained", 0))
+        self.groups_trained = int(st.get("groups_trained", 0))
+        self.recent_entries = RecentIds(list(st.get("recent_entry_ids", [])), limit)
+        self.recent_batches = RecentIds(list(st.get("recent_batch_ids", [])), limit)
+        self.step_batches: list[Held] = []  # read, waiting for grad_accum batches
+        self.unsaved: list[Held] = []  # trained, not yet in a checkpoint
+        self.consumer = cfg.train.consumer
+        self.reader = GroupReader(r, self.keys.batches, GROUP_TRAINER, self.consumer)
+        self.heartbeat = Heartbeat(r, self.keys, SERVICE, self.consumer, cfg.ops.heartbeat_ttl_s)
+        self.stats = self.keys.custom("stats")
+
+    # --- startup and re-sync ------------------------------------------------------------------
+
+    def start(self) -> None:
+        ensure_group(self.r, self.keys.batches, GROUP_TRAINER)
+        if self.plan.write_initial:
+            self._publish(self._write_checkpoint(0, []))
+        elif self.plan.publish is not None:
+            log.info("announcing complete checkpoint version=%d that was never published", self.plan.publish.version)
+            self._publish(self.plan.publish)
+        claimed = reclaim(self.r, self.keys.batches, GROUP_TRAINER, self.consumer, self.cfg.train.claim_idle_ms)
+        if claimed:
+            log.info("claimed %d pending batch entries of other consumers", len(claimed))
+
+    def resync(self) -> None:
+        """After a Redis error: announce the newest checkpoint if needed, re-read own pending."""
+        newest = self.store.newest()
+        latest = read_latest(self.r, self.keys)
+        if newest is not None and (latest is None or version_index(latest.version) < newest.version):
+            self._publish(newest)
+        self.reader.reset()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _done(self) -> bool:
+        return self.cfg.train.max_steps is not None and self.learner.step >= self.cfg.train.max_steps
+
+    def run(self, burst: bool = False) -> int:
+        """Train until stopped (or, in burst mode, until no batch is waiting); returns 0."""
+        backoff = 0.1
+        started = False
+        while not self.stop.is_set and not self._done():
+            try:
+                if not started:
+                    self.start()
+                    started = True
+                if not self._iterate(burst):
+                    break
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis error (%s: %s); re-syncing in %.1fs", type(exc).__name__, exc, backoff)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, self.cfg.redis.reconnect_backoff_max_s)
+                if started:
+                    try:
+                        self.resync()
+                    except (redis.ConnectionError, redis.TimeoutError):
+                        continue
+        if self.unsaved or self.step_batches:
+            log.info("stopping with %d trained-but-unsaved and %d unread batches pending; they are retrained "
+                     "from version=%d after a restart", len(self.unsaved), len(self.step_batches), self.version)
+        if self.sinks is not None:
+            self.sinks.close()
+        log.info("trainer stopped step=%d version=%d batches_trained=%d", self.learner.step, self.version,
+                 self.batches_trained)
+        return 0
+
+    def _iterate(self, burst: bool) -> bool:
+        self.heartbeat.beat({"step": self.learner.step, "version": self.version})
+        entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
+        if not entries:
+            return not burst
+        for entry in entries:
+            batch = self._accept(entry)
+            if batch is not None:
+                self.step_batches.append((entry.id.decode(), batch))
+                if len(self.step_batches) >= self.cfg.train.grad_accum:
+                    self._train_step()
+        return True
+
+    def _accept(self, entry: Entry) -> Batch | None:
+        """The batch to train, or None when the entry was dead-lettered, duplicate or already trained."""
+        eid = entry.id.decode()
+        if any(eid == held for held, _ in self.unsaved + self.step_batches):
+            return None  # re-read after a reconnect while still in hand
+        batch: Batch | None = None
+        try:
+            batch = decode_entry(entry.fields, Batch)
+            self.learner.validate(batch)
+        except MalformedEntry as exc:
+            self._dead_letter(entry, "malformed", exc.reason, None)
+            return None
+        except InvalidBatch as exc:
+            self._dead_letter(entry, "invalid_batch", str(exc), batch)
+            return None
+        except Exception as exc:  # poison guard: nothing about one entry may stop the trainer
+            self._dead_letter(entry, "unexpected_error", f"{type(exc).__name__}: {exc}", batch)
+            return None
+        if eid in self.recent_entries:
+            log.info("batch_id=%s entry_id=%s is already in a checkpoint: acknowledging without training",
+                     batch.batch_id, eid)
+            self._ack([(eid, batch)])
+            return None
+        if batch.batch_id in self.recent_batches or any(batch.batch_id == b.batch_id for _, b in
+                                                         self.unsaved + self.step_batches):
+            log.warning("duplicate batch_id=%s entry_id=%s discarded", batch.batch_id, eid)
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xack(self.keys.batches, GROUP_TRAINER, eid)
+            pipe.hincrby(self.stats, "batches_duplicate_discarded", 1)
+            pipe.execute()
+            return None
+        return batch
+
+    def _dead_letter(self, entry: Entry, reason: str, error: str, batch: Batch | None) -> None:
+        ids = entry_ids(entry.fields)
+        fields = dead_letter_fields(reason, error, self.keys.batches, entry.id, entry.fields)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, fields, maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+        pipe.xack(self.keys.batches, GROUP_TRAINER, entry.id)
+        if batch is None:
+            pipe.hincrby(self.stats, "poison_dead_lettered", 1)
+        else:  # decodable: its groups leave the pipeline here, so pacing must count them
+            pipe.hincrby(self.stats, "groups_dead_lettered", len(batch.groups))
+            pipe.hincrby(self.stats, "batches_dead_lettered", 1)
+        pipe.execute()
+        log.warning("dead-lettered batch entry_id=%s group_id=%s reason=%s error=%s", entry.id.decode(),
+                    ids.get("group_id"), reason, error[:300])
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def _train_step(self) -> None:
+        held, self.step_batches = self.step_batches, []
+        batches = [b for _, b in held]
+        metrics: dict[str, Any] = self.learner.train_step(batches)
+        fault_point("after_step")
+        gap = version_gap(batches, max(self.version, 0))
+        self.unsaved.extend(held)
+        published = None
+        if self.learner.step % self.cfg.train.update_weights_interval == 0:
+            published = self._commit()
+        metrics.update({"train/step": self.learner.step, "train/version": self.version,
+                        "train/batches": len(batches), "train/batch_groups": sum(len(b.groups) for b in batches),
+                        "train/published": int(published is not None),
+                        "train/batch_ids": ",".join(b.batch_id for b in batches)})
+        if gap is not None:
+            metrics["train/version_gap_mean"], metrics["train/version_gap_max"] = gap
+        if published is not None:
+            metrics["train/published_version"] = str(published)  # the per-version marker
+        report_metrics(self.r, self.keys, SERVICE, metrics, maxlen=self.cfg.ops.metrics_maxlen)
+        if self.sinks is not None:
+            self.sinks.emit(self.learner.step, metrics)
+        log.info("step=%d version=%d batch_id=%s loss=%.4f reward_mean=%.3f grad_norm=%.3f logprob_diff=%.4f",
+                 self.learner.step, self.version, metrics["train/batch_ids"], metrics["train/loss"],
+                 metrics["train/reward_mean"], metrics["train/grad_norm"],
+                 metrics["train/train_rollout_logprob_abs_diff"])
+
+    def _commit(self) -> int:
+        """Checkpoint the unsaved steps as the next version, acknowledge their batches, publish."""
+        version = self.version + 1
+        held = self.unsaved
+        info = self._write_checkpoint(version, held)
+        self.unsaved = []  # durable from here: a re-delivery is acknowledged, never retrained
+        fault_point("after_checkpoint")
+        self._ack(held)
+        fault_point("after_ack")
+        self._publish(info)
+        return version
+
+    def _write_checkpoint(self, version: int, held: list[Held]) -> CheckpointInfo:
+        entry_ids_ = [eid for eid, _ in held]
+        batch_ids = [b.batch_id for _, b in held]
+        limit = self.cfg.train.remember_batch_ids
+        recent_entries = RecentIds(self.recent_entries.as_list() + entry_ids_, limit)
+        recent_batches = RecentIds(self.recent_batches.as_list() + batch_ids, limit)
+        batches_trained = self.batches_trained + len(held)
+        groups_trained = self.groups_trained + sum(len(b.groups) for _, b in held)
+        state = {"learner": self.learner.state_dict(), "rng": rng_state(), "version": version,
+                 "step": self.learner.step, "batches_trained": batches_trained, "groups_trained": groups_trained,
+                 "consumed_entry_ids": entry_ids_, "consumed_batch_ids": batch_ids,
+                 "recent_entry_ids": recent_entries.as_list(), "recent_batch_ids": recent_batches.as_list()}
+
+        def save_weights(d: Any) -> None:
+            self.learner.model.save_pretrained(d, safe_serialization=True)
+            self.tokenizer.save_pretrained(d)
+
+        info = self.store.write(version, self.learner.step, save_weights, state)
+        self.version, self.batches_trained, self.groups_trained = version, batches_trained, groups_trained
+        self.recent_entries, self.recent_batches = recent_entries, recent_batches
+        return info
+
+    def _ack(self, held: list[Held]) -> None:
+        if not held:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.keys.batches, GROUP_TRAINER, *[eid for eid, _ in held])
+        pipe.hincrby(self.stats, "batches_trained", len(held))
+        pipe.hincrby(self.stats, "groups_trained", sum(len(b.groups) for _, b in held))
+        pipe.execute()
+        log.info("acknowledged batches entry_ids=%s batch_ids=%s", ",".join(e for e, _ in held),
+                 ",".join(b.batch_id for _, b in held))
+
+    def _publish(self, info: CheckpointInfo) -> None:
+        wv = WeightVersion(version=str(info.version), path=str(info.path.resolve()), step=info.step,
+                           published_at=time.time())
+        publish_version(self.r, self.keys, wv)
+        self.store.prune(self.cfg.train.keep_checkpoints, referenced=[info.path])
+        every = self.cfg.eval.every_versions
+        if every and info.version % every == 0:
+            self._enqueue_eval(wv)
+
+    def _enqueue_eval(self, wv: WeightVersion) -> None:
+        ev = self.cfg.eval
+        try:
+            enqueue_eval(self.r, ev.queue, wv.path, wv.version, wv.step, ev.dataset, ev.n_examples,
+                         self.keys.prefix, batch_size=ev.batch_size, device=ev.device, timeout_s=ev.job_timeout_s)
+        except redis.RedisError as exc:  # evaluation is off the hot path: never fail training for it
+            log.warning("could not queue evaluation version=%s: %s", wv.version, exc)

@@ -1,0 +1,199 @@
+"""GRPO loss, pure: advantages, loss masks, clipped policy gradient, TIS, KL, logprob diff.
+
+Nothing here touches Redis, files or the model; every function maps plain values or tensors to
+values or tensors, so each one is checked on hand-computed cases (tests/unit/test_loss.py).
+
+Conventions (one per token position ``t`` of a padded ``[B, T]`` batch):
+* ``logp[b, t]`` is the current policy's log-probability of ``token_ids[b, t]`` given the tokens
+  before it; position 0 has no prediction and is never a loss token.
+* ``mask[b, t]`` is 1.0 on tokens that carry loss, 0.0 elsewhere (padding included).
+* ``advantages[b]`` is one scalar per sequence, broadcast over its tokens.
+
+Invariant: the loss is a token-level mean over *all* loss tokens of an optimizer step; the
+caller passes that count as ``n_tokens`` so micro-batches add up to exactly the full-batch loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.staleness import mask_nonlast_version_tokens, segment_index
+
+STD_EPS = 1e-6  # added to the group std before dividing (a group of equal rewards stays at 0)
+
+
+# --- advantages -----------------------------------------------------------------------------
+
+
+def group_advantages(rewards: Sequence[float], std_normalize: bool) -> list[float]:
+    """GRPO advantages of one group: ``r - mean(r)``, divided by ``std(r) + eps`` when asked.
+
+    The std is the sample std (n - 1 in the denominator, as ``torch.std``); a group of one
+    trajectory has advantage 0.
+    """
+    n = len(rewards)
+    if n == 0 or max(rewards) == min(rewards):
+        return [0.0] * n  # exactly 0, not float noise amplified by 1 / eps
+    mean = math.fsum(rewards) / n
+    centred = [float(r) - mean for r in rewards]
+    if not std_normalize:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / (n - 1)) if n > 1 else 0.0
+    return [c / (std + STD_EPS) for c in centred]
+
+
+def _last_segment_rewards(samples: Sequence[Any]) -> dict[str, float]:
+    """traj_id -> reward of its last segment (highest ``segment_index``; a later sample wins a tie)."""
+    last: dict[str, tuple[tuple[int, int], float]] = {}
+    for order, s in enumerate(samples):
+        pos = (segment_index(s), order)
+        if s.traj_id not in last or last[s.traj_id][0] <= pos:
+            last[s.traj_id] = (pos, float(s.reward))
+    return {traj: reward for traj, (_, reward) in last.items()}
+
+
+def sample_advantages(samples: Sequence[Any], std_normalize: bool) -> list[float]:
+    """One advantage per sample of a GRPO group (same order as ``samples``).
+
+    A trajectory's reward is the reward of its last segment; every segment of the trajectory
+    gets that trajectory's advantage (earlier segments carry reward 0.0 on the wire).
+    """
+    rewards = _last_segment_rewards(samples)
+    adv = dict(zip(rewards, group_advantages(list(rewards.values()), std_normalize), strict=True))
+    return [adv[s.traj_id] for s in samples]
+
+
+def trajectory_rewards(samples: Sequence[Any]) -> list[float]:
+    """The reward of each trajectory (its last segment's), in order of first appearance."""
+    return list(_last_segment_rewards(samples).values())
+
+
+# --- masks ----------------------------------------------------------------------------------
+
+
+def train_masks(samples: Sequence[Any], mask_nonlast: bool) -> list[list[int]]:
+    """Per-sample loss masks: ``loss_mask`` with position 0 off, optionally non-last versions off.
+
+    With ``mask_nonlast`` the segments of one trajectory are joined in ``segment_index`` order and
+    ``shared.staleness.mask_nonlast_version_tokens`` keeps loss only on the tokens of the
+    trajectory's last real version (reference §4.2, applied to the whole trajectory).
+    """
+    masks = [[0, *s.loss_mask[1:]] if s.loss_mask else [] for s in samples]
+    if not mask_nonlast:
+        return masks
+    by_traj: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_traj.setdefault(s.traj_id, []).append(i)
+    for idxs in by_traj.values():
+        idxs.sort(key=lambda i: (segment_index(samples[i]), i))
+        joined_mask = [m for i in idxs for m in masks[i]]
+        joined_versions = [v for i in idxs for v in samples[i].token_versions]
+        kept = mask_nonlast_version_tokens(joined_mask, joined_versions)
+        start = 0
+        for i in idxs:
+            n = len(masks[i])
+            masks[i] = kept[start : start + n]
+            start += n
+    return masks
+
+
+# --- token-level quantities -----------------------------------------------------------------
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` log-probability of each token given its prefix (position 0 is 0.0).
+
+    ``logits[b, t]`` predicts ``input_ids[b, t + 1]``; computed in float32 for stability.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` entropy of the predictive distribution of each token (position 0 is 0.0)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(ent, (1, 0), value=0.0)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference): ``exp(d) - d - 1`` with ``d = ref - logp``.
+
+    Non-negative, zero where the two agree, unbiased for the KL under samples from the policy.
+    """
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The knobs of the policy loss (mirrors ``train.*`` in the config)."""
+
+    clip_eps: float = 0.2  # ratio clipped to [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: float | None = None  # None = clip_eps (symmetric)
+    tis_cap: float | None = None  # truncated importance-sampling cap; None = off
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference; 0 = off
+
+
+@dataclass
+class LossParts:
+    """Loss of one micro-batch (a share of the step's token mean) and its metric sums."""
+
+    loss: torch.Tensor  # scalar with grad: sum over this micro-batch's loss tokens / n_tokens
+    sums: dict[str, float]  # token-summed metrics (divide by the step's loss tokens)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    n_tokens: int,
+    cfg: LossConfig,
+    ref_logp: torch.Tensor | None = None,
+) -> LossParts:
+    """Clipped policy-gradient loss of one micro-batch.
+
+    Without TIS the PPO ratio is taken against the behaviour policy, ``r = exp(logp - rollout_logp)``
+    and the per-token loss is ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``.
+    With ``tis_cap`` (decoupled form, as slime's TIS): the ratio is taken against the current
+    policy before the update (``logp`` detached; one optimizer step per batch makes that the
+    proximal policy) and the token loss is multiplied by the detached truncated weight
+    ``min(exp(logp_old - rollout_logp), tis_cap)``. With ``kl_coef`` > 0, ``kl_coef * k3`` is added.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+    old = logp.detach() if cfg.tis_cap is not None else rollout_logp
+    ratio = torch.exp(logp - old)
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+    clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + high)
+    surr, surr_clipped = ratio * adv, clipped_ratio * adv
+    per_token = -torch.minimum(surr, surr_clipped)
+    clipped = (surr_clipped < surr).to(logp.dtype)
+    sums: dict[str, float] = {}
+    if cfg.tis_cap is not None:
+        weight = torch.exp(logp.detach() - rollout_logp).clamp(max=cfg.tis_cap)
+        per_token = per_token * weight
+        sums["tis_weight"] = float((weight * mask).sum())
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp (a reference model)")
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + cfg.kl_coef * kl
+        sums["kl"] = float((kl.detach() * mask).sum())
+    denom = max(int(n_tokens), 1)
+    loss = (per_token * mask).sum() / denom
+    sums["clip_frac"] = float((clipped * mask).sum())
+    sums["logprob_abs_diff"] = float(logprob_abs_diff_sum(logp.detach(), rollout_logp, mask))
+    return LossParts(loss=loss, sums=sums)
+
+
+def logprob_abs_diff_sum(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over loss tokens of ``|logp - rollout_logp|`` (divide by the loss tokens for the mean)."""
+    return ((logp - rollout_logp).abs() * mask.to(logp.dtype)).sum()

@@ -1,0 +1,106 @@
+"""Evaluation jobs on rq: the trainer enqueues, the eval worker runs; neither imports the other.
+
+Contract:
+* ``enqueue_eval`` puts one job per version on the rq queue ``eval.queue`` of the pipeline's Redis.
+  Arguments are plain strings and ints only (checkpoint path, version, step, dataset path, count,
+  key prefix, batch size, device) and the function is named by its module path, so the job is
+  serialised as JSON (``rq.serializers.JSONSerializer``): nothing is ever pickled or unpickled.
+  The Redis URL is *not* an argument (it may hold a password, and rq logs job descriptions);
+  the job uses the connection of the worker that runs it.
+* ``run_eval_job`` loads the checkpoint, plays the first ``n_examples`` rows of the held-out
+  dataset with greedy decoding through the task verifiers (``shared.tasks``) and appends one
+  report to ``{p}:metrics`` (service ``eval``): ``eval/accuracy``, ``eval/reward``,
+  ``eval/version``, ``eval/step``, ``eval/n``. It returns the same dict (rq keeps it as the result).
+  Job ids are ``<prefix>-eval-v<version>``, so a version is never queued twice at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from typing import Any
+
+import redis
+from rq import Queue, get_current_job
+from rq.serializers import JSONSerializer
+
+from shared.keys import Keys
+from shared.telemetry import report_metrics
+
+log = logging.getLogger(__name__)
+
+JOB_FUNCTION = "shared.evaluation.run_eval_job"
+SERIALIZER = JSONSerializer
+
+
+def eval_queue(r: redis.Redis, name: str) -> Queue:
+    """The rq queue (JSON-serialised) that evaluation jobs travel on."""
+    return Queue(name, connection=r, serializer=SERIALIZER)
+
+
+def job_id(prefix: str, version: str) -> str:
+    """rq job ids allow letters, digits, ``_`` and ``-`` only."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{prefix}-eval-v{version}")
+
+
+def enqueue_eval(r: redis.Redis, queue: str, checkpoint_path: str, version: str, step: int,
+                 dataset: str, n_examples: int, prefix: str, batch_size: int = 64,
+                 device: str = "cpu", timeout_s: int = 1800) -> str:
+    """Queue the evaluation of one version; returns the rq job id."""
+    kwargs = {"checkpoint_path": str(checkpoint_path), "version": str(version), "step": int(step),
+              "dataset": str(dataset), "n_examples": int(n_examples), "prefix": str(prefix),
+              "batch_size": int(batch_size), "device": str(device)}
+    job = eval_queue(r, queue).enqueue_call(JOB_FUNCTION, kwargs=kwargs, timeout=timeout_s,
+                                            job_id=job_id(prefix, version), result_ttl=86_400,
+                                            failure_ttl=7 * 86_400, description=f"eval version={version}")
+    log.info("queued evaluation version=%s step=%d job_id=%s", version, step, job.id)
+    return str(job.id)
+
+
+def _connection() -> redis.Redis:
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("run_eval_job needs a Redis connection: pass `r` or run it inside an rq worker")
+    return job.connection
+
+
+def score_rows(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch_size: int) -> dict[str, float]:
+    """Greedy mean reward and accuracy over ``rows`` (tasks may be mixed; each row names its task)."""
+    from shared.modeling import evaluate  # local: keep this module importable without torch
+    from shared.tasks import get_task
+
+    by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_task[row["task"]].append(row)
+    reward = accuracy = 0.0
+    for name, task_rows in by_task.items():
+        res = evaluate(model, tokenizer, get_task(name), task_rows, greedy=True, batch_size=batch_size)
+        reward += res.reward_mean * res.n
+        accuracy += res.accuracy * res.n
+    n = max(len(rows), 1)
+    return {"eval/reward": reward / n, "eval/accuracy": accuracy / n, "eval/n": float(len(rows))}
+
+
+def run_eval_job(checkpoint_path: str, version: str, step: int, dataset: str, n_examples: int,
+                 prefix: str, batch_size: int = 64, device: str = "cpu",
+                 r: redis.Redis | None = None) -> dict[str, Any]:
+    """Score one checkpoint on the held-out split and report it to ``{p}:metrics`` (service eval)."""
+    import torch
+
+    from shared.modeling import load_model, load_tokenizer
+    from shared.tasks import load_dataset
+
+    conn = r if r is not None else _connection()
+    rows = load_dataset(dataset)[:n_examples]
+    if not rows:
+        raise ValueError(f"eval.dataset {dataset}: no rows to evaluate")
+    model = load_model(checkpoint_path, device=device)
+    tokenizer = load_tokenizer(checkpoint_path)
+    with torch.no_grad():
+        scores = score_rows(model, tokenizer, rows, batch_size)
+    metrics: dict[str, Any] = {**scores, "eval/version": str(version), "eval/step": int(step)}
+    report_metrics(conn, Keys(prefix), "eval", metrics)
+    log.info("evaluated version=%s step=%d accuracy=%.3f reward=%.3f n=%d", version, step,
+             scores["eval/accuracy"], scores["eval/reward"], len(rows))
+    return metrics

@@ -1,0 +1,77 @@
+"""Factories for trainer tests: tiny models, batches of GRPO groups, configs.
+
+``batch("b1", n_groups=2, version="3")`` is a trainer ``Batch`` whose samples are valid for the
+char-level tokenizer (ids inside its vocabulary); rewards differ inside a group so every group
+has non-zero advantages.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from shared.codec import encode_entry
+from shared.config import DressageConfig, load_config
+from shared.modeling import ModelSpec, build_model_dir
+from shared.schemas import Batch, RolloutGroup, Sample, Window
+from shared.staleness import sample_version_fields
+
+VOCAB = 100  # the char-level tokenizer has ~101 ids; stay inside
+SMALL_SPEC = ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, max_position_embeddings=64)
+
+
+def tiny_model(path: Path, spec: ModelSpec = SMALL_SPEC, seed: int = 0) -> Path:
+    """A randomly initialised tiny model directory (HF layout) at ``path``."""
+    build_model_dir(path, "reverse", spec=spec, seed=seed)
+    return path
+
+
+def sample(traj_id: str, rng: random.Random, version: str = "0", reward: float = 0.0, n_prompt: int = 5,
+           n_response: int = 4, segment_index: int = 0) -> Sample:
+    ids = [rng.randrange(4, VOCAB) for _ in range(n_prompt + n_response)]
+    mask = [0] * n_prompt + [1] * n_response
+    versions = ["-1"] * n_prompt + [version] * n_response
+    logprobs = [0.0] * n_prompt + [round(-rng.uniform(0.5, 4.0), 3) for _ in range(n_response)]
+    return Sample(traj_id=traj_id, segment_index=segment_index, token_ids=ids, loss_mask=mask, logprobs=logprobs,
+                  token_versions=versions, reward=reward, **sample_version_fields(mask, versions))
+
+
+def group(group_id: str, rng: random.Random, n_samples: int = 4, version: str = "0") -> RolloutGroup:
+    samples = [sample(f"{group_id}-t{i}", rng, version, reward=float(i % 2)) for i in range(n_samples)]
+    return RolloutGroup(group_id=group_id, prompt_id=f"p-{group_id}", attempt=0, status="completed",
+                        samples=samples)
+
+
+def batch(batch_id: str, n_groups: int = 2, version: str = "0", seed: int = 0) -> Batch:
+    rng = random.Random(f"{batch_id}:{seed}")
+    groups = [group(f"{batch_id}-g{i}", rng, version=version) for i in range(n_groups)]
+    return Batch(batch_id=batch_id, groups=groups, trainer_version=version,
+                 window=Window(keep_versions=0, current_version=version))
+
+
+def batch_fields(batch_id: str, **kw: Any) -> dict[str, bytes]:
+    return encode_entry(batch(batch_id, **kw))
+
+
+def trainer_config(tmp: Path, model_dir: Path, redis_url: str, prefix: str, **train: Any) -> DressageConfig:
+    """Defaults for a fast CPU trainer in tests; ``train`` overrides ``train.*``."""
+    return load_config(None, env={}, overrides={
+        "redis": {"url": redis_url, "prefix": prefix},
+        "model": {"path": str(model_dir)},
+        "train": {"checkpoint_dir": str(tmp / "ckpt"), "keep_checkpoints": 100, "micro_batch_size": 8,
+                  "lr": 1e-3, "block_ms": 50, **train},
+    })
+
+
+def write_config_yaml(path: Path, cfg: DressageConfig) -> Path:
+    """The config as YAML for a trainer subprocess (``--config``)."""
+    import yaml
+
+    data = {"redis": {"url": cfg.redis.url, "prefix": cfg.redis.prefix},
+            "model": {"path": cfg.model.path},
+            "train": cfg.train.model_dump(mode="json"),
+            "eval": cfg.eval.model_dump(mode="json")}
+    path.write_text(yaml.safe_dump(data))
+    return path

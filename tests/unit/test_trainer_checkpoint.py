@@ -1,0 +1,99 @@
+"""Checkpoint store: atomic write, only complete checkpoints load, temp dirs cleaned, pruning."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_factory import SMALL_SPEC, VOCAB
+
+from services.trainer.checkpoint import (
+    MANIFEST,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointStore,
+    rng_state,
+    set_rng_state,
+)
+from shared.modeling import build_model, build_tokenizer, load_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():  # type: ignore[no-untyped-def]
+    return build_model(SMALL_SPEC, VOCAB, 0, 2, seed=1), build_tokenizer(64)
+
+
+def write(store: CheckpointStore, version: int, model_and_tok, state: dict | None = None):  # type: ignore[no-untyped-def]
+    model, tok = model_and_tok
+
+    def save(d: Path) -> None:
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+
+    return store.write(version, version * 2, save, state or {"version": version, "ids": ["1-0"]})
+
+
+def test_written_checkpoint_is_complete_loadable_and_leaves_no_temp(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    store = CheckpointStore(tmp_path)
+    info = write(store, 3, model_and_tok)
+    assert info.path == tmp_path / "v00000003" and info.step == 6
+    assert [p.name for p in tmp_path.iterdir()] == ["v00000003"]
+    assert store.newest() == info
+    assert store.load_state(info) == {"version": 3, "ids": ["1-0"]}
+    model = load_model(info.path)
+    ref = model_and_tok[0].state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_a_version_directory_is_never_overwritten(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    store = CheckpointStore(tmp_path)
+    write(store, 1, model_and_tok)
+    with pytest.raises(CheckpointError, match="already exists"):
+        write(store, 1, model_and_tok)
+
+
+def test_temp_and_damaged_directories_are_never_loaded(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    store = CheckpointStore(tmp_path)
+    good = write(store, 1, model_and_tok)
+    newer = write(store, 2, model_and_tok)
+    # A crash mid-write leaves a temp dir; a v3 without manifest and a v2 whose file was truncated.
+    (tmp_path / ".tmp-v00000003-abc").mkdir()
+    (tmp_path / ".tmp-v00000003-abc" / STATE_FILE).write_bytes(b"half")
+    (tmp_path / "v00000003").mkdir()
+    weights = newer.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert store.newest() == good
+    assert store.cleanup_temp() == [tmp_path / ".tmp-v00000003-abc"]
+    assert not (tmp_path / ".tmp-v00000003-abc").exists()
+
+
+def test_manifest_must_name_its_own_directory(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    store = CheckpointStore(tmp_path)
+    info = write(store, 4, model_and_tok)
+    manifest = json.loads((info.path / MANIFEST).read_text())
+    manifest["version"] = 9
+    (info.path / MANIFEST).write_text(json.dumps(manifest))
+    assert store.newest() is None
+
+
+def test_prune_keeps_the_newest_and_the_referenced(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    store = CheckpointStore(tmp_path)
+    infos = [write(store, v, model_and_tok) for v in range(5)]
+    removed = store.prune(2, referenced=[infos[1].path])
+    assert sorted(p.name for p in removed) == ["v00000000", "v00000002"]
+    assert [i.version for i in store.complete()] == [1, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001", "v00000003", "v00000004"]
+
+
+def test_rng_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> None:
+    random.seed(5)
+    torch.manual_seed(5)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    want = (random.random(), torch.rand(3).tolist())
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), torch.rand(3).tolist()) == want

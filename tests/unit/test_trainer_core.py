@@ -1,0 +1,188 @@
+"""Trainer core without Redis: batch checks, rows/tensors, learner step, resume plan, fault specs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_factory import SMALL_SPEC, VOCAB, batch, group
+
+from services.trainer.batching import (
+    InvalidBatch,
+    build_rows,
+    collate,
+    micro_batches,
+    validate_batch,
+    version_gap,
+)
+from services.trainer.checkpoint import CheckpointInfo
+from services.trainer.faults import parse_faults
+from services.trainer.learner import Learner
+from services.trainer.resume import VersionFormatError, plan_resume
+from shared.config import TrainConfig
+from shared.modeling import build_model
+from shared.schemas import RolloutGroup, WeightVersion
+
+torch.set_num_threads(1)
+
+
+# --- batching ---
+
+
+def test_validate_batch_names_the_bad_field() -> None:
+    b = batch("b1")
+    validate_batch(b, VOCAB, 64)
+    b.groups[1].samples[2].token_ids[3] = VOCAB + 5
+    with pytest.raises(InvalidBatch, match=r"groups\[1\]\.samples\[2\]\.token_ids: id 105"):
+        validate_batch(b, VOCAB, 64)
+    with pytest.raises(InvalidBatch, match="exceed the model context 4"):
+        validate_batch(batch("b2"), VOCAB, 4)
+
+
+def test_batch_without_completed_samples_is_invalid() -> None:
+    b = batch("b1", n_groups=1)
+    b.groups[0] = RolloutGroup(group_id="g", prompt_id="p", attempt=0, status="failed", error="x")
+    with pytest.raises(InvalidBatch, match="no completed group"):
+        validate_batch(b, VOCAB, 64)
+
+
+def test_build_rows_carries_advantages_masks_and_skips_failed_groups() -> None:
+    b = batch("b1", n_groups=2)
+    b.groups.append(RolloutGroup(group_id="gf", prompt_id="p", attempt=0, status="failed", error="x"))
+    data = build_rows([b], std_normalize=False, mask_nonlast=False)
+    assert (data.n_groups, data.n_failed_groups, len(data.rows)) == (2, 1, 8)
+    assert [r.advantage for r in data.rows[:4]] == [-0.5, 0.5, -0.5, 0.5]  # rewards 0, 1, 0, 1
+    assert data.rows[0].mask == [0] * 5 + [1] * 4
+    assert data.loss_tokens == 8 * 4 and data.rewards == [0.0, 1.0] * 4
+
+
+def test_micro_batches_cover_every_row_once_longest_first() -> None:
+    rows = build_rows([batch("b1", n_groups=3)], True, False).rows
+    chunks = micro_batches(rows, 5)
+    assert [len(c) for c in chunks] == [5, 5, 2]
+    assert sorted(id(r) for c in chunks for r in c) == sorted(id(r) for r in rows)
+
+
+def test_collate_pads_on_the_right() -> None:
+    rows = build_rows([batch("b1", n_groups=1)], True, False).rows
+    short = rows[0].__class__(rows[0].token_ids[:3], [0, 1, 1], [0.0, -1.0, -2.0], 1.5)
+    t = collate([rows[0], short], pad_id=0)
+    assert t.input_ids.shape == (2, 9)
+    assert t.attention_mask[1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert t.mask[1].tolist() == [0, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert t.rollout_logp[1, :3].tolist() == [0.0, -1.0, -2.0] and t.advantages.tolist()[1] == 1.5
+
+
+def test_version_gap_is_current_minus_each_trajectory_end_version() -> None:
+    rng = random.Random(0)
+    b = batch("b1", n_groups=0)
+    b.groups = [group("g1", rng, n_samples=2, version="1"), group("g2", rng, n_samples=2, version="3")]
+    assert version_gap([b], 4) == (2.0, 3)
+    assert version_gap([batch("b2", version="v-label")], 4) is None
+
+
+# --- learner ---
+
+
+def tiny_learner(**cfg: object) -> Learner:
+    model = build_model(SMALL_SPEC, VOCAB, 0, 2, seed=0)
+    return Learner(model, TrainConfig(micro_batch_size=3, lr=1e-2, **cfg), pad_id=0)  # type: ignore[arg-type]
+
+
+def params(learner: Learner) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in learner.model.parameters()])
+
+
+def test_train_step_updates_weights_and_reports_metrics() -> None:
+    learner = tiny_learner()
+    before = params(learner)
+    m = learner.train_step([batch("b1"), batch("b2")])
+    assert learner.step == 1
+    assert not torch.equal(before, params(learner))
+    assert m["train/groups"] == 4 and m["train/samples"] == 16 and m["train/loss_tokens"] == 64
+    assert m["train/grad_norm"] > 0 and m["train/entropy"] > 0 and m["train/tokens_per_s"] > 0
+    # Random rollout logprobs vs a random model: the diff is large and positive.
+    assert m["train/train_rollout_logprob_abs_diff"] > 0.5
+
+
+def test_equal_rewards_give_zero_gradient_and_unchanged_weights() -> None:
+    learner = tiny_learner()
+    b = batch("b1")
+    for g in b.groups:
+        for s in g.samples:
+            s.reward = 0.5
+    before = params(learner)
+    m = learner.train_step([b])
+    assert m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
+    assert torch.equal(before, params(learner))
+
+
+def test_micro_batch_size_does_not_change_the_step() -> None:
+    a, b = tiny_learner(), tiny_learner()
+    b.cfg = b.cfg.model_copy(update={"micro_batch_size": 16})
+    ma, mb = a.train_step([batch("b1")]), b.train_step([batch("b1")])
+    assert ma["train/loss"] == pytest.approx(mb["train/loss"], rel=1e-4)
+    assert torch.allclose(params(a), params(b), atol=1e-6)
+
+
+def test_learner_state_round_trips() -> None:
+    a = tiny_learner(warmup_steps=5)
+    a.train_step([batch("b1")])
+    b = tiny_learner(warmup_steps=5)
+    b.load_state_dict(a.state_dict())
+    assert b.step == 1 and b.scheduler.get_last_lr() == a.scheduler.get_last_lr()
+    assert b.optimizer.state_dict()["state"].keys() == a.optimizer.state_dict()["state"].keys()
+
+
+def test_kl_needs_a_reference_model() -> None:
+    with pytest.raises(ValueError, match="reference model"):
+        tiny_learner(kl_coef=0.1)
+
+
+# --- resume plan ---
+
+
+def ckpt(version: int) -> CheckpointInfo:
+    return CheckpointInfo(version, version * 10, Path(f"/ckpt/v{version:08d}"))
+
+
+def published(version: str) -> WeightVersion:
+    return WeightVersion(version=version, path=f"/elsewhere/{version}", step=1, published_at=0.0)
+
+
+def test_fresh_start_writes_and_publishes_v0() -> None:
+    plan = plan_resume(None, None, Path("/model"))
+    assert plan.write_initial and plan.version == -1 and plan.weights_from == Path("/model")
+
+
+def test_unpublished_newest_checkpoint_is_announced_on_resume() -> None:
+    plan = plan_resume(ckpt(3), published("2"), Path("/model"))
+    assert plan.publish == ckpt(3) and plan.version == 3 and plan.checkpoint == ckpt(3)
+    assert plan_resume(ckpt(0), None, Path("/model")).publish == ckpt(0)
+
+
+def test_next_version_is_above_both_checkpoint_and_publication() -> None:
+    assert plan_resume(ckpt(3), published("3"), Path("/m")).version == 3
+    plan = plan_resume(ckpt(3), published("7"), Path("/m"))
+    assert plan.version == 7 and plan.publish is None and plan.weights_from == ckpt(3).path
+    lost = plan_resume(None, published("5"), Path("/m"), published_complete=True)
+    assert lost.version == 5 and not lost.write_initial and lost.weights_from == Path("/elsewhere/5")
+
+
+def test_foreign_version_label_is_refused() -> None:
+    with pytest.raises(VersionFormatError, match="'v3'"):
+        plan_resume(None, published("v3"), Path("/m"))
+
+
+# --- fault specs ---
+
+
+def test_fault_spec_parses_points_and_counts() -> None:
+    assert parse_faults("after_checkpoint:2, after_step") == {"after_checkpoint": 2, "after_step": 1}
+    assert parse_faults(None) == {}
+    with pytest.raises(ValueError, match="unknown fault point 'nowhere'"):
+        parse_faults("nowhere:1")
+    with pytest.raises(ValueError, match="integer"):
+        parse_faults("after_ack:x")
