@@ -1,0 +1,1 @@
+"""``dressage proxy``: OpenAI-compatible LLM proxy with partial rollout and version-span control."""

@@ -1,0 +1,197 @@
+"""FastAPI routes of the proxy: OpenAI chat, token-id generate, sessions, rollout control, health.
+
+Every route is a thin shell: validate at the edge (``schemas``), run one turn through the
+``GenerationController``, record it in the session (only after every check passed), render.
+Errors are ``ProxyError``s rendered as ``{"detail": {"error": <code>, ...}}``; anything else is
+a 500 ``{"error": "internal_error"}`` plus a log line — never a stack trace in a response.
+
+The session of a request is named by the ``/s/{session_id}/v1/...`` base URL, the
+``X-Session-Id`` header or the body's ``session_id`` (two that disagree: 422); with none, a
+fresh ``anon-…`` id is used and returned in the ``X-Session-Id`` response header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.proxy import openai_format as fmt
+from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound
+from services.proxy.guards import Guard
+from services.proxy.runtime import ProxyRuntime
+from services.proxy.schemas import ChatRequest, GenerateRequest, PauseRequest, ResumeRequest, parse
+from services.proxy.sessions import Session, check_session_id
+from shared.modeling.loading import chat_input_ids
+
+log = logging.getLogger(__name__)
+
+TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
+async def _json_body(request: Request, allow_empty: bool = False) -> Any:
+    raw = await request.body()
+    if not raw.strip() and allow_empty:
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise InvalidRequest("body", "not valid JSON") from None
+
+
+def _session_id(path_sid: str | None, request: Request, body_sid: str | None) -> str:
+    given = [(w, v) for w, v in (("path", path_sid), ("X-Session-Id", request.headers.get("x-session-id")),
+                                 ("session_id", body_sid)) if v]
+    if len({v for _, v in given}) > 1:
+        raise InvalidRequest(given[1][0], f"session id {given[1][1]!r} conflicts with {given[0][0]} {given[0][1]!r}")
+    return check_session_id(given[0][1], given[0][0]) if given else f"anon-{uuid.uuid4().hex}"
+
+
+def _partial(request: Request, default: bool) -> bool:
+    raw = request.headers.get("x-dressage-partial-rollout")
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value not in TRUE | FALSE:
+        raise InvalidRequest("X-Dressage-Partial-Rollout", "must be 1/true or 0/false")
+    return value in TRUE
+
+
+def _session_body(s: Session) -> dict[str, Any]:
+    return {**s.summary(), "samples": s.samples()}
+
+
+def build_app(rt: ProxyRuntime) -> FastAPI:
+    """The ASGI app over a runtime (config, tokenizer, engine client, controller, sessions)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    app = FastAPI(title="dressage proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime = rt
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        return JSONResponse(exc.detail_body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in exc.errors()]
+        first = errs[0] if errs else {"field": "body", "message": "invalid"}
+        err = InvalidRequest(first["field"], first["message"], errors=errs[:20])
+        return JSONResponse(err.detail_body(), status_code=422)
+
+    async def chat(request: Request, path_sid: str | None) -> Response:
+        req = parse(ChatRequest, await _json_body(request), rt.limits)
+        sid = _session_id(path_sid, request, req.session_id)
+        partial = _partial(request, rt.cfg.partial_rollout)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        input_ids = chat_input_ids(rt.tokenizer, messages)
+        if len(input_ids) > rt.cfg.max_prompt_tokens:
+            raise InvalidRequest("messages", f"prompt is {len(input_ids)} tokens; "
+                                             f"proxy.max_prompt_tokens={rt.cfg.max_prompt_tokens}")
+        sampling = rt.sampling(req.temperature, req.top_p, req.top_k, req.seed, None)
+        gen, seg = await rt.turn(sid, partial, input_ids, req.new_tokens(rt.cfg.max_tokens_limit), sampling)
+        text = rt.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        body = fmt.chat_completion(gen, text, len(input_ids), req.model or rt.model_name, sid, seg)
+        headers = {"X-Session-Id": sid}
+        if req.stream:
+            include = req.stream_options.include_usage if req.stream_options else False
+            return StreamingResponse(fmt.chat_stream(body, include), media_type="text/event-stream", headers=headers)
+        return JSONResponse(body, headers=headers)
+
+    async def generate(request: Request, path_sid: str | None) -> Response:
+        req = parse(GenerateRequest, await _json_body(request), rt.limits)
+        sid = _session_id(path_sid, request, req.session_id)
+        sp = req.sampling_params
+        sampling = rt.sampling(sp.temperature, sp.top_p, sp.top_k, sp.sampling_seed, sp.stop_token_ids)
+        gen, seg = await rt.turn(sid, _partial(request, rt.cfg.partial_rollout), req.input_ids,
+                                 sp.max_new_tokens or rt.cfg.max_tokens_limit, sampling)
+        text = rt.tokenizer.decode(gen.output_ids, skip_special_tokens=False)
+        return JSONResponse(fmt.token_response(gen, text, len(req.input_ids), sid, seg), headers={"X-Session-Id": sid})
+
+    @app.post("/v1/chat/completions")
+    async def chat_root(request: Request) -> Response:
+        return await chat(request, None)
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def chat_scoped(session_id: str, request: Request) -> Response:
+        return await chat(request, session_id)
+
+    @app.post("/v1/generate")
+    async def generate_root(request: Request) -> Response:
+        return await generate(request, None)
+
+    @app.post("/s/{session_id}/v1/generate")
+    async def generate_scoped(session_id: str, request: Request) -> Response:
+        return await generate(request, session_id)
+
+    @app.get("/v1/models")
+    @app.get("/s/{session_id}/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": rt.model_name, "object": "model", "owned_by": "dressage"}]}
+
+    def _known(session_id: str) -> Session:
+        return rt.sessions.get(check_session_id(session_id, "session_id"))
+
+    @app.get("/v1/sessions/{session_id}")
+    async def read_session(session_id: str) -> dict[str, Any]:
+        return _session_body(_known(session_id))
+
+    @app.post("/v1/sessions/{session_id}/finalize")
+    async def finalize_session(session_id: str) -> dict[str, Any]:
+        s = _known(session_id)
+        async with s.lock:  # a running turn is recorded first
+            s.finalized = True
+        return _session_body(s)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> dict[str, Any]:
+        if not rt.sessions.delete(check_session_id(session_id, "session_id")):
+            raise SessionNotFound(f"unknown or expired session {session_id!r}", session_id=session_id)
+        rt.metrics.sessions.set(len(rt.sessions))
+        return {"session_id": session_id, "deleted": True}
+
+    @app.post("/v1/rollout/pause")
+    async def pause(request: Request) -> dict[str, Any]:
+        req = parse(PauseRequest, await _json_body(request, allow_empty=True))
+        return await rt.controller.pause(session_id=req.session_id, timeout_s=req.timeout_s, reason=req.reason)
+
+    @app.post("/v1/rollout/resume")
+    async def resume(request: Request) -> dict[str, Any]:
+        req = parse(ResumeRequest, await _json_body(request, allow_empty=True))
+        return await rt.controller.resume(session_id=req.session_id, version=req.version)
+
+    @app.get("/v1/rollout/state")
+    async def rollout_state() -> dict[str, Any]:
+        return rt.state()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "time": time.time(), "engines": len(rt.client.engines),
+                "partial_rollout": rt.cfg.partial_rollout,
+                "max_partial_rollout_preempts": rt.cfg.max_partial_rollout_preempts,
+                "version": rt.controller.current_version, "paused": not rt.controller.runnable(""),
+                "sessions": len(rt.sessions)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        rt.metrics.sessions.set(len(rt.sessions))
+        data, ctype = rt.metrics.render()
+        return Response(data, media_type=ctype)
+
+    api_key = rt.cfg.api_key.get_secret_value() if rt.cfg.api_key else None
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=rt.cfg.max_body_bytes, metrics=rt.metrics)
+    return app

@@ -1,0 +1,264 @@
+"""Generation controller: preemptible generations, pause/resume, resume chunks, version checks.
+
+Invariants (asyncio, one event loop; no await between a check and the state change it guards):
+* a chunk is dispatched only while its session is runnable (no global pause holder and the
+  session not paused on its own), and its rid is registered *before* the first await, so a
+  ``pause`` that starts later always sees it and aborts it on the engine that holds it;
+* ``pause`` returns once every generation it preempted has come back from its engine (its
+  partial tokens are appended), or when ``timeout_s`` ran out (``quiesced: false``); aborts of
+  still-running rids are re-sent until then (an abort can reach the engine before the request);
+* every version check happens *before* a chunk is dispatched (against the version the engines
+  will run, ``current_version``) and again on the tokens a chunk brought back (what the engines
+  really ran): a refused trajectory costs no further compute, and a version that slipped in
+  unannounced is still caught. The checks read the session's earlier versions plus this
+  generation's own, so "versions" means the whole session, turns included;
+* partial mode: an aborted chunk suspends the generation until resume, then continues from
+  prompt + partial output with a fresh rid and the remaining budget; to the caller it is one
+  response. Non-partial mode: an aborted chunk fails the request (``generation_preempted``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.proxy.engine_client import Chunk, EngineClient
+from services.proxy.errors import (
+    GenerationPreempted,
+    ProxyError,
+    SpanExceeded,
+    TrajectoryVersionChanged,
+    UpstreamUnavailable,
+)
+from services.proxy.metrics import ProxyMetrics
+from shared.staleness import check_version_span, ordered_real_versions, real_version
+
+log = logging.getLogger(__name__)
+
+OPERATOR = "operator"
+WEIGHT_UPDATE = "weight_update"
+
+
+class RolloutPaused(ProxyError):
+    """A generation waited longer than ``proxy.request_timeout_s`` for a resume."""
+
+    status = 503
+    code = "rollout_paused"
+
+
+@dataclass
+class Generation:
+    """The stitched result of one request: what the agent receives as one response."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish_reason: str = "stop"
+    chunks: list[dict[str, Any]] = field(default_factory=list)  # per rid: tokens, version, finish, preempted
+
+    @property
+    def preempts(self) -> int:
+        return sum(1 for c in self.chunks if c["preempted"])
+
+
+@dataclass
+class _Active:
+    rid: str
+    session_id: str
+    url: str
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    abort_requested: bool = False
+
+
+class GenerationController:
+    def __init__(self, client: EngineClient, metrics: ProxyMetrics, max_preempts: int | None,
+                 request_timeout_s: float = 600.0, pause_timeout_s: float = 30.0) -> None:
+        self.client, self.metrics = client, metrics
+        self.max_preempts = max_preempts
+        self.request_timeout_s, self.pause_timeout_s = request_timeout_s, pause_timeout_s
+        self.current_version: str | None = None  # what the engines run now (set on load/resume)
+        self.epoch = 0  # +1 on every resume that ends a pause (reported only)
+        self._holders: set[str] = set()  # global pause holders: "operator", "weight_update"
+        self._paused_sessions: set[str] = set()  # operator pauses of single sessions
+        self._cond = asyncio.Condition()
+        self._active: dict[str, _Active] = {}
+        self._suspended = 0
+
+    # --- pause state ---------------------------------------------------------------------
+
+    def runnable(self, session_id: str) -> bool:
+        return not self._holders and session_id not in self._paused_sessions
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def _wait_runnable(self, session_id: str) -> None:
+        if self.runnable(session_id):
+            return
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                async with self._cond:
+                    await self._cond.wait_for(lambda: self.runnable(session_id))
+        except TimeoutError:
+            raise RolloutPaused(f"rollout paused for more than {self.request_timeout_s:.0f}s",
+                                session_id=session_id) from None
+
+    async def pause(self, holder: str = OPERATOR, session_id: str | None = None,
+                    timeout_s: float | None = None, reason: str = "") -> dict[str, Any]:
+        """Stop dispatching (globally, or for one session) and abort the matching in-flight rids."""
+        was_paused = bool(self._holders) if session_id is None else session_id in self._paused_sessions
+        if session_id is None:
+            self._holders.add(holder)
+        else:
+            self._paused_sessions.add(session_id)
+        targets = [a for a in self._active.values() if session_id is None or a.session_id == session_id]
+        for a in targets:
+            a.abort_requested = True
+        timeout = self.pause_timeout_s if timeout_s is None else timeout_s
+        log.info("pause holder=%s session_id=%s reason=%s in_flight=%d", holder, session_id, reason, len(targets))
+        failed = await self._abort_until_quiesced(targets, timeout)
+        quiesced = all(a.done.is_set() for a in targets)
+        if not quiesced:
+            log.warning("pause not quiesced within %.1fs: rids=%s", timeout,
+                        [a.rid for a in targets if not a.done.is_set()])
+        return {"status": "already_paused" if was_paused else "paused", "holder": holder, "reason": reason,
+                "session_id": session_id, "quiesced": quiesced, "preempted_request_ids": [a.rid for a in targets],
+                "abort_failed_request_ids": failed, **self.state()}
+
+    async def _abort_until_quiesced(self, targets: list[_Active], timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        failed: set[str] = set()
+        while True:
+            pending = [a for a in targets if not a.done.is_set()]
+            if not pending:
+                return sorted(failed)
+            results = await asyncio.gather(*(self.client.abort(a.url, a.rid) for a in pending))
+            failed.update(a.rid for a, ok in zip(pending, results, strict=True) if not ok)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return sorted(failed)
+            # Re-send after a short wait: an abort that overtook its request found nothing to abort.
+            waits = [asyncio.ensure_future(a.done.wait()) for a in pending]
+            _, not_done = await asyncio.wait(waits, timeout=min(0.2, left), return_when=asyncio.ALL_COMPLETED)
+            for w in not_done:
+                w.cancel()
+
+    async def resume(self, holder: str = OPERATOR, session_id: str | None = None,
+                     version: str | None = None) -> dict[str, Any]:
+        """Release ``holder``'s pause (or one session's); ``version`` sets what engines now run."""
+        was_paused = not self.runnable(session_id) if session_id else bool(self._holders)
+        if version is not None and real_version(version) is not None:
+            self.current_version = real_version(version)
+        if session_id is None:
+            self._holders.discard(holder)
+        else:
+            self._paused_sessions.discard(session_id)
+        if was_paused:
+            self.epoch += 1
+        log.info("resume holder=%s session_id=%s version=%s epoch=%d still_paused=%s", holder, session_id,
+                 self.current_version, self.epoch, sorted(self._holders))
+        await self._notify()
+        return {"status": "resumed" if was_paused else "already_running", **self.state()}
+
+    def state(self) -> dict[str, Any]:
+        return {"paused": bool(self._holders), "pause_holders": sorted(self._holders),
+                "paused_sessions": sorted(self._paused_sessions), "version": self.current_version,
+                "epoch": self.epoch, "max_partial_rollout_preempts": self.max_preempts,
+                "active_generations": len(self._active), "suspended_generations": self._suspended,
+                "active_request_ids": sorted(self._active)}
+
+    # --- version checks ------------------------------------------------------------------
+
+    def check(self, session_id: str, earlier: list[str], candidate: list[str], partial: bool) -> None:
+        """Refuse ``candidate`` versions for a session whose tokens so far carry ``earlier``."""
+        if partial:
+            if self.max_preempts is None:
+                return
+            chk = check_version_span(earlier, candidate, self.max_preempts)
+            if chk.exceeded:
+                self.metrics.span_rejections.inc()
+                self.metrics.rejections.labels(SpanExceeded.code).inc()
+                log.warning("error=%s session_id=%s versions=%s max_preempts=%d", SpanExceeded.code,
+                            session_id, chk.versions, self.max_preempts)
+                raise SpanExceeded(chk.detail(session_id))
+            return
+        prev, new = ordered_real_versions(earlier), ordered_real_versions(candidate)
+        if (prev and not set(new) <= set(prev)) or len(set(prev) | set(new)) > 1:
+            self.metrics.rejections.labels(TrajectoryVersionChanged.code).inc()
+            log.info("error=trajectory_version_changed session_id=%s previous=%s new=%s", session_id, prev, new)
+            raise TrajectoryVersionChanged(
+                "weight version changed during a non-partial trajectory; rejecting it instead of continuing",
+                previous_versions=prev, new_versions=new, session_id=session_id)
+
+    # --- generation ----------------------------------------------------------------------
+
+    async def generate(self, session_id: str, earlier: list[str], input_ids: list[int], max_new_tokens: int,
+                       sampling: dict[str, Any], partial: bool) -> Generation:
+        """Run one request to completion across preemptions; raises a ProxyError when refused."""
+        gen = Generation()
+        while True:
+            if not self.runnable(session_id):
+                self._suspended += bool(gen.chunks)
+                self.metrics.suspended.set(self._suspended)
+                try:
+                    await self._wait_runnable(session_id)
+                finally:
+                    self._suspended -= bool(gen.chunks)
+                    self.metrics.suspended.set(self._suspended)
+                continue  # re-check: another pause may have started while we woke up
+            if self.current_version is not None:  # before any compute: the version the engines run now
+                self.check(session_id, [*earlier, *gen.versions], [self.current_version], partial)
+            if gen.chunks:
+                self.metrics.resumes.inc()
+            remaining = max_new_tokens - len(gen.output_ids)
+            body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
+                    "sampling_params": {**sampling, "max_new_tokens": remaining}}
+            chunk = await self._dispatch(session_id, body)
+            if self.current_version is None and real_version(chunk.weight_version):
+                self.current_version = real_version(chunk.weight_version)
+            self.check(session_id, [*earlier, *gen.versions], chunk.versions, partial)
+            gen.output_ids += chunk.output_ids
+            gen.logprobs += chunk.logprobs
+            gen.versions += chunk.versions
+            gen.chunks.append({"num_output_tokens": len(chunk.output_ids), "version": chunk.weight_version,
+                               "finish_reason": chunk.finish_type, "preempted": chunk.aborted})
+            if not chunk.aborted:
+                gen.finish_reason = chunk.finish_type
+                return gen
+            self.metrics.preemptions.inc()
+            if not partial:
+                raise GenerationPreempted("generation interrupted by a pause or weight update (non-partial mode)",
+                                          session_id=session_id, partial_tokens=len(gen.output_ids))
+            if len(gen.output_ids) >= max_new_tokens:
+                gen.finish_reason = "length"
+                return gen
+            log.info("preempted session_id=%s tokens_so_far=%d; will resume", session_id, len(gen.output_ids))
+
+    async def _dispatch(self, session_id: str, body: dict[str, Any]) -> Chunk:
+        """Send one chunk under a fresh rid, failing over engines that refuse the connection."""
+        last: UpstreamUnavailable | None = None
+        for url in self.client.route(session_id):
+            rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
+            active = self._active[rid] = _Active(rid, session_id, url)
+            self.metrics.active.set(len(self._active))
+            try:
+                return await self.client.generate(url, {**body, "rid": rid})
+            except UpstreamUnavailable as exc:
+                if active.abort_requested and exc.extra.get("connected"):
+                    # We aborted it and the connection broke: resume from what we have.
+                    return Chunk([], [], [], "abort", None, True)
+                if exc.extra.get("connected"):
+                    raise
+                last = exc
+                log.warning("engine unreachable session_id=%s engine=%s; trying next", session_id, url)
+            finally:
+                del self._active[rid]
+                active.done.set()
+                self.metrics.active.set(len(self._active))
+        assert last is not None
+        raise UpstreamUnavailable("no engine reachable", engines=len(self.client.engines)) from None

@@ -1,0 +1,44 @@
+"""``dressage proxy [--config PATH] [--host H] [--port P]``: wiring only (config, tokenizer, runtime, app, uvicorn).
+
+One uvicorn worker: sessions, pause state and in-flight rids live in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from services.proxy.app import build_app
+from services.proxy.runtime import ProxyRuntime
+from shared.config import load_config
+from shared.errors import ConfigError
+from shared.logs import setup_logging
+from shared.modeling.loading import ModelNotFound, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dressage proxy", description=__doc__)
+    p.add_argument("--config", default=None, help="deployment YAML (section `proxy`); env DRESSAGE_PROXY_* overrides")
+    p.add_argument("--host", help="override proxy.host")
+    p.add_argument("--port", type=int, help="override proxy.port")
+    args = p.parse_args(argv)
+    setup_logging("proxy")
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    try:
+        cfg = load_config(args.config, overrides={"proxy": overrides})
+        tok_path = cfg.proxy.tokenizer_path or cfg.model.path
+        tokenizer = load_tokenizer(tok_path)
+    except (ConfigError, ModelNotFound) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    runtime = ProxyRuntime(cfg.proxy, tokenizer, redis_factory=cfg.redis.client, keys=cfg.keys(),
+                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, model_name=Path(tok_path).name or "dressage")
+    server = uvicorn.Server(uvicorn.Config(build_app(runtime), host=cfg.proxy.host, port=cfg.proxy.port,
+                                           log_level="warning", access_log=False, workers=1))
+    server.run()  # returns on SIGTERM/SIGINT once in-flight requests were answered
+    return 0

@@ -1,0 +1,138 @@
+"""The proxy's in-process state and its background work, behind one object the routes use.
+
+``ProxyRuntime`` owns the tokenizer, the engine client, the generation controller, the weight
+updater, the session store and the metrics. ``start()`` (in the event loop) binds the updater to
+the loop, probes the engines' loaded version, starts the version-bus watcher thread (when a
+Redis factory is given and ``proxy.follow_versions``), the session-expiry task and the heartbeat;
+``stop()`` undoes all of it. ``turn()`` is the one path every generation takes: concurrency slot,
+session, per-session lock, controller, then recording — so a refused turn is never recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from services.proxy.controller import Generation, GenerationController
+from services.proxy.engine_client import EngineClient
+from services.proxy.errors import SessionConflict
+from services.proxy.guards import ConcurrencyLimit
+from services.proxy.metrics import ProxyMetrics
+from services.proxy.schemas import Limits
+from services.proxy.sessions import SessionStore
+from services.proxy.updater import WeightUpdater
+from shared.config import ProxyConfig
+from shared.keys import Keys
+from shared.modeling.loading import stop_token_ids
+from shared.telemetry import heartbeat
+from shared.versionbus import VersionWatcher
+
+log = logging.getLogger(__name__)
+
+
+class ProxyRuntime:
+    def __init__(self, cfg: ProxyConfig, tokenizer: Any, client: EngineClient | None = None,
+                 redis_factory: Callable[[], Any] | None = None, keys: Keys | None = None,
+                 heartbeat_ttl_s: float = 15.0, model_name: str = "dressage") -> None:
+        self.cfg, self.tokenizer, self.model_name = cfg, tokenizer, model_name
+        self.metrics = ProxyMetrics()
+        self.client = client or EngineClient(cfg.engines, cfg.connect_timeout_s, cfg.request_timeout_s)
+        self.controller = GenerationController(self.client, self.metrics, cfg.max_partial_rollout_preempts,
+                                               cfg.request_timeout_s, cfg.pause_timeout_s)
+        self.updater = WeightUpdater(self.controller, self.client, self.metrics)
+        self.sessions = SessionStore(cfg.session_ttl_s, cfg.max_sessions, cfg.max_turns_per_session)
+        self.limit = ConcurrencyLimit(cfg.max_concurrency)
+        self.limits = Limits(cfg.max_tokens_limit, cfg.max_messages, cfg.max_prompt_tokens)
+        self.stop_ids = stop_token_ids(tokenizer)
+        self._redis_factory, self._keys, self._hb_ttl = redis_factory, keys, heartbeat_ttl_s
+        self._watcher: VersionWatcher | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.updater.bind(asyncio.get_running_loop())
+        versions = {await self.client.weight_version(u) for u in self.client.engines}
+        if len(versions) == 1 and None not in versions:
+            self.controller.current_version = versions.pop()
+        log.info("proxy started engines=%d version=%s partial_rollout=%s max_preempts=%s", len(self.client.engines),
+                 self.controller.current_version, self.cfg.partial_rollout, self.cfg.max_partial_rollout_preempts)
+        if self._redis_factory is not None and self._keys is not None and self.cfg.follow_versions:
+            self._watcher = VersionWatcher(self._redis_factory, self._keys, self.updater.on_version_threadsafe,
+                                           poll_s=1.0).start()
+        self._tasks.append(asyncio.create_task(self._expire_loop()))
+        if self._redis_factory is not None and self._keys is not None:
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.stop)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.client.close()
+
+    async def _expire_loop(self) -> None:
+        period = max(0.05, min(self.cfg.session_ttl_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(period)
+            gone = self.sessions.expire()
+            if gone:
+                log.info("expired %d idle sessions (ttl %.0fs), e.g. session_id=%s", len(gone),
+                         self.cfg.session_ttl_s, gone[0])
+                self.metrics.sessions.set(len(self.sessions))
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._redis_factory is not None and self._keys is not None
+        r = self._redis_factory()
+        consumer = f"{socket.gethostname()}-{os.getpid()}"
+        while True:
+            info = {"version": self.controller.current_version, "sessions": len(self.sessions),
+                    "in_flight": self.limit.in_flight, "paused": bool(self.controller.state()["paused"])}
+            await asyncio.to_thread(heartbeat, r, self._keys, "proxy", consumer, self._hb_ttl, info)
+            await asyncio.sleep(max(1.0, self._hb_ttl / 3))
+
+    # --- requests --------------------------------------------------------------------------
+
+    def sampling(self, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+                 stop_ids: list[int] | None) -> dict[str, Any]:
+        params: dict[str, Any] = {"temperature": self.cfg.temperature if temperature is None else temperature,
+                                  "stop_token_ids": self.stop_ids if stop_ids is None else stop_ids}
+        if top_p is not None:
+            params["top_p"] = top_p
+        if top_k is not None:
+            params["top_k"] = top_k
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return params
+
+    async def turn(self, session_id: str, partial: bool, input_ids: list[int], max_new_tokens: int,
+                   sampling: dict[str, Any]) -> tuple[Generation, int]:
+        """Generate one response for ``session_id`` and record it; returns it and its segment index."""
+        with self.limit:
+            session = self.sessions.open(session_id, partial)
+            async with session.lock:
+                if session.finalized:  # finalized while this turn waited for the lock
+                    raise SessionConflict(f"session {session_id!r} is finalized", session_id=session_id)
+                gen = await self.controller.generate(session_id, list(session.versions), input_ids,
+                                                     max_new_tokens, sampling, partial)
+                seg = session.record(input_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason,
+                                     gen.preempts)
+                session.touched = time.monotonic()
+        self.metrics.version_span.observe(len(session.versions))
+        self.metrics.tokens.inc(len(gen.output_ids))
+        return gen, seg
+
+    def state(self) -> dict[str, Any]:
+        return {**self.controller.state(), "partial_rollout": self.cfg.partial_rollout,
+                "in_flight_requests": self.limit.in_flight, "sessions": len(self.sessions),
+                "applied_version": self.updater.applied, "last_update": self.updater.last,
+                "following_versions": self._watcher is not None}
