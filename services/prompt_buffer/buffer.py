@@ -150,8 +150,7 @@ class PromptBuffer:
 
     def run(self) -> int:
         """Emit until stopped (burst: until nothing more may be emitted now); returns the exit code."""
-        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._wake.set(),
-                                 poll_s=max(self.poll_s, 0.5))
+        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._wake.set(), poll_s=1.0)
         if not self.burst:
             watcher.start()
         ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)  # deliver from the first entry on
