@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -224,3 +225,47 @@ def test_collector_process_killed_with_sigkill_loses_nothing(tmp_path: Path, red
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert batches(r, keys) == [["g0:0", "g1:0", "g2:0", "g3:0"]]
     assert pending(r, keys) == 0
+
+
+def test_sigterm_exits_0_and_leaves_waiting_groups_pending(tmp_path: Path, redis_server: RedisProcess,
+                                                           redis_client: redis.Redis, keys: Keys) -> None:
+    r = redis_client
+    publish(r, keys, 0)
+    put(r, keys, rollout_group("g0", ["0"]))
+    cmd = [sys.executable, "-m", "services.group_collector", "--config", str(_config(tmp_path, redis_server, keys))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "DRESSAGE_CONSUMER": "term"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not r.exists(keys.custom("collector", "window")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert pending(r, keys) == 1  # g0 waits for a partner: still owed a batch, not lost
+
+
+def test_collector_rides_out_a_redis_crash_and_restart(tmp_path: Path) -> None:
+    server = RedisProcess(directory=tmp_path / "redis", appendonly=True).start()
+    keys = Keys("crash")
+    try:
+        r = redis.Redis(port=server.port, socket_timeout=2)
+        publish(r, keys, 0)
+        put(r, keys, rollout_group("g0", ["0"]))
+        c = collector(r, keys, per_batch=2)
+        c.burst, c.block_ms = False, 50
+        thread = threading.Thread(target=c.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(c.core.waiting) < 1:
+            time.sleep(0.02)
+        server.kill()  # SIGKILL: the waiting group is pending in the AOF
+        server.start()
+        put(r, keys, rollout_group("g1", ["0"]))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and r.xlen(keys.batches) == 0:
+            time.sleep(0.05)
+        c.stop.set()
+        thread.join(10)
+        assert batches(r, keys) == [["g0:0", "g1:0"]] and pending(r, keys) == 0
+    finally:
+        server.cleanup()

@@ -118,3 +118,15 @@ def test_restarts_and_sigkill_neither_skip_nor_duplicate(tmp_path: Path, redis_s
     expected, _ = Schedule(len(ROWS), 5, 3).take(Cursor(), 10_000)
     assert got == expected  # the whole schedule, in order: nothing skipped, nothing doubled
     assert int(r.hget(keys.custom("stats"), "groups_produced")) == 36
+
+
+def test_sigterm_exits_0(tmp_path: Path, redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys) -> None:
+    cmd = [sys.executable, "-m", "services.prompt_buffer", "--config", str(_config(tmp_path, redis_server, keys))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not list(redis_client.scan_iter(f"{keys.prefix}:health:*")):
+        time.sleep(0.05)  # alive and waiting for the first version
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert redis_client.xlen(keys.prompts) == 0

@@ -183,3 +183,16 @@ def test_window_hash_and_cumulative_metrics_are_published(r: fakeredis.FakeRedis
 
 def test_next_id_is_the_smallest_following_id() -> None:
     assert next_id(b"5-0") == "5-1" and next_id("0-0") == "0-1"
+
+
+def test_trimming_removes_acknowledged_rollouts_but_never_a_waiting_one(r: fakeredis.FakeRedis) -> None:
+    publish(r, 0)
+    for i in range(5):
+        put(r, rollout_group(f"g{i}", ["0"]))
+    c = collector(r, per_batch=2, max_ready=10)
+    c.run()
+    assert pending(r) == 1  # g4 waits
+    c.trim()
+    [(entry_id, _)] = r.xrange(K.rollouts)
+    assert decode_entry(r.xrange(K.rollouts)[0][1], RolloutGroup).group_id == "g4"
+    assert r.xpending(K.rollouts, "collector")["min"] == entry_id
