@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -89,7 +90,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         name = name or service
         argv = [c.python, "-m", "services", service, "--config", c.config_path]
         # A stable consumer name per process: a restarted process re-reads its own pending entries.
-        penv = {**env, "DRESSAGE_CONSUMER": f"{c.prefix}-{name}", **(extra or {})}
+        penv = {**env, "DRESSAGE_CONSUMER": f"{socket.gethostname()}-{name}", **(extra or {})}
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
                            **kw)  # type: ignore[arg-type]
 

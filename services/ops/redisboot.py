@@ -60,7 +60,8 @@ def private_redis(directory: Path, binary: str | None = None, allow_fake: bool =
     """Start a private Redis for one run (data under ``directory``)."""
     binary = binary or find_redis_server()
     if binary is not None:
-        proc = RedisProcess(directory=directory, appendonly=True, binary=binary).start()
+        # Absolute: redis-server chdirs into --dir before opening its log file.
+        proc = RedisProcess(directory=directory.resolve(), appendonly=True, binary=binary).start()
         log.info("private redis-server %s on port %d, data in %s", binary, proc.port, directory)
         return RedisHandle(proc.url, "redis-server", _process=proc)
     if not allow_fake:

@@ -170,8 +170,9 @@ def summary(rows: Sequence[Row]) -> list[tuple[str, str]]:
         ("eval accuracy, best", fmt(max(evals.y) if evals else None)),
         ("train_rollout_logprob_abs_diff, mean", fmt(_mean(diffs), 4)),
     ]
-    for c in COUNTERS:
-        out.append((c.replace("_", " "), fmt(number(last_stats.get(f"stats/{c}")), 0)))
+    for c in COUNTERS:  # a counter never incremented is absent from {p}:stats: 0 once a snapshot exists
+        value = number(last_stats.get(f"stats/{c}", 0 if last_stats else None))
+        out.append((c.replace("_", " "), fmt(value, 0)))
     out.append(("duration (s)", fmt(duration, 0)))
     if duration and steps:
         out.append(("trainer steps per minute", fmt(60 * len(steps) / duration, 2)))

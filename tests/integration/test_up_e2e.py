@@ -1,0 +1,124 @@
+"""``dressage up`` end to end: every real service as a process on a private Redis, a few trainer steps.
+
+Checks the run's outputs (metrics.jsonl with increasing versions, report files, logs, exit code 0),
+that ``dressage status`` shows live numbers while the run is going, and that SIGTERM stops every
+process cleanly with exit code 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.ops import status
+from services.ops.metricslog import load_rows
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = "configs/test.yaml"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "reverse-tiny"
+    subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "reverse", "--out", str(out),
+                    "--warm-steps", "0", "--threads", "1"], cwd=REPO, check=True, capture_output=True, timeout=120)
+    return out
+
+
+def start_up(run_dir: Path, model: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1"}
+    env.pop("REDIS_URL", None)  # a private Redis, always
+    return subprocess.Popen([sys.executable, "-m", "services", "up", "--config", CONFIG, "--run-dir", str(run_dir),
+                             "--quiet", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "run"
+
+
+def wait_for(predicate: Any, timeout: float, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        assert proc.poll() is None, f"dressage up exited early:\n{proc.communicate()[0]}"
+        time.sleep(0.5)
+    raise AssertionError("timed out")
+
+
+def child_pids(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) pid=(\d+)", output)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Path, run_dir: Path,
+                                                                  capsys: Any) -> None:
+    proc = start_up(run_dir, model_dir, "--demo")
+    try:
+        wait_for(lambda: any(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")),
+                 150, proc)
+        # While it runs, `dressage status --run DIR` shows the live deployment.
+        assert status.main(["--run", str(run_dir)]) == 0
+        screen = capsys.readouterr().out
+        assert re.search(r"VERSION\s+current \d+", screen), screen
+        assert re.search(r"trainer\s+\S+\s+alive", screen) and re.search(r"rollout-worker\s+\S+\s+alive", screen)
+        output, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "run finished: trainer exited 0" in output
+    rows = load_rows(run_dir / "metrics.jsonl")
+    train = [r for r in rows if r.get("service") == "trainer" and "train/step" in r]
+    assert [r["train/step"] for r in train] == [1, 2, 3]
+    versions = [int(r["train/version"]) for r in train]
+    assert versions == sorted(set(versions)) and versions[-1] == 3
+    assert any(r.get("service") == "ops" and "stats/groups_trained" in r for r in rows)
+    report = run_dir / "report"
+    assert sorted(p.name for p in report.glob("*.png")) == ["learning.png", "logprob_diff.png", "pipeline.png",
+                                                            "staleness.png"]
+    assert "data:image/png;base64," in (report / "report.html").read_text()
+    assert "trainer steps" in output and "3" in (report / "summary.txt").read_text()
+    logs = {p.stem for p in (run_dir / "logs").glob("*.log")}
+    assert {"engine", "proxy", "trainer", "group-collector", "eval-worker", "prompt-buffer",
+            "rollout-worker-1", "rollout-worker-2"} <= logs
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["prefix"].startswith("dressage-test-") and "@" not in info["redis_url"]
+    assert not any(alive(pid) for pid in child_pids(output).values())
+
+
+def test_sigterm_stops_every_service_cleanly(model_dir: Path, run_dir: Path) -> None:
+    proc = start_up(run_dir, model_dir, "--max-steps", "1000", "--workers", "1")
+    try:
+        wait_for(lambda: any(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")),
+                 150, proc)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "run stopped" in output
+    pids = child_pids(output)
+    assert {"engine", "proxy", "trainer", "rollout-worker-1"} <= set(pids)
+    assert not any(alive(pid) for pid in pids.values())
+    for name in ("trainer", "group-collector", "prompt-buffer", "rollout-worker-1"):
+        assert "signal 15 received" in (run_dir / "logs" / f"{name}.log").read_text(), name
