@@ -1,0 +1,235 @@
+"""End to end through the REAL engine and proxy (subprocesses, tiny untrained model) on a real redis-server.
+
+A burst worker turns prompt groups into rollout groups whose every token carries the version that
+produced it; a black-box agent whose trajectory crosses a weight update is rejected by the proxy
+(partial_rollout_staleness_exceeded, max_partial_rollout_preempts = 0), the group is retried whole
+as attempt 1 on the new version, and the rejection is counted once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from shared.codec import decode_entry, encode_entry
+from shared.keys import GROUP_ROLLOUT, Keys
+from shared.modeling import ensure_model
+from shared.redisproc import RedisProcess
+from shared.schemas import PromptGroup, RolloutGroup, WeightVersion
+from shared.staleness import real_version
+from shared.streams import ensure_group
+from shared.telemetry import read_metrics
+from shared.versionbus import publish_version
+
+REPO = Path(__file__).resolve().parents[2]
+ECHO_DIR = REPO / "examples" / "agents"
+
+# A black-box agent that makes two model calls in one session and, between them, waits for the
+# test's go-ahead file: the test publishes a new weight version in that gap.
+TWO_CALL_AGENT = f"""
+import json, os, sys, time, urllib.error
+sys.path.insert(0, {str(ECHO_DIR)!r})
+from echo_agent import chat, error_code
+marks, go = sys.argv[1], sys.argv[2]
+task = json.loads(sys.stdin.read())
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+try:
+    first = chat(base, key, task["messages"], task["max_new_tokens"], task["temperature"])
+    open(os.path.join(marks, os.environ["DRESSAGE_SESSION_ID"]), "w").close()
+    deadline = time.time() + 60
+    while not os.path.exists(go) and time.time() < deadline:
+        time.sleep(0.05)
+    msgs = task["messages"] + [{{"role": "assistant", "content": first}}, {{"role": "user", "content": "again"}}]
+    reply = chat(base, key, msgs, task["max_new_tokens"], task["temperature"])
+except urllib.error.HTTPError as exc:
+    code, message = error_code(exc)
+    print(json.dumps({{"error": code, "message": message}}))
+    sys.exit(3)
+print(json.dumps({{"reply": reply}}))
+"""
+
+
+@dataclass
+class Stack:
+    server: RedisProcess
+    keys: Keys
+    model_dir: Path
+    proxy_url: str
+    root: Path
+    procs: list[subprocess.Popen[bytes]]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "REDIS_URL": self.server.url, "DRESSAGE_REDIS_PREFIX": self.keys.prefix,
+                "DRESSAGE_MODEL_PATH": str(self.model_dir), **extra}
+
+    def worker(self, name: str, **cfg: str) -> subprocess.Popen[bytes]:
+        env = self.env(DRESSAGE_ROLLOUT_PROXY_URL=self.proxy_url, DRESSAGE_ROLLOUT_BLOCK_MS="100",
+                       **{f"DRESSAGE_ROLLOUT_{k.upper()}": v for k, v in cfg.items()})
+        log = (self.root / f"{name}.log").open("ab")
+        return subprocess.Popen([sys.executable, "-m", "services.rollout_worker", "--burst", "--consumer", name],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text()
+
+    def proxy_version(self) -> str | None:
+        return httpx.get(f"{self.proxy_url}/health", timeout=10).json().get("version")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(stack_root: Path, name: str, argv: list[str], env: dict[str, str], health: str) -> subprocess.Popen[bytes]:
+    log = (stack_root / f"{name}.log").open("ab")
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, (stack_root / f"{name}.log").read_text()
+        try:
+            if httpx.get(health, timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{name} did not become healthy"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("e2e")
+    model_dir = root / "model"
+    ensure_model(model_dir, "reverse")  # untrained tiny model: replies are noise, versions are real
+    keys = Keys(f"e2e{uuid.uuid4().hex[:8]}")
+    st = Stack(redis_server, keys, model_dir, "", root, [])
+    engine_port, proxy_port = free_port(), free_port()
+    try:
+        st.procs.append(start(root, "engine", ["services.engine", "--port", str(engine_port), "--weight-version", "0"],
+                              st.env(DRESSAGE_ENGINE_NUM_THREADS="1"), f"http://127.0.0.1:{engine_port}/health"))
+        st.proxy_url = f"http://127.0.0.1:{proxy_port}"
+        st.procs.append(start(root, "proxy", ["services.proxy", "--port", str(proxy_port)],
+                              st.env(DRESSAGE_PROXY_ENGINES=f'["http://127.0.0.1:{engine_port}"]',
+                                     DRESSAGE_PROXY_MAX_PARTIAL_ROLLOUT_PREEMPTS="0"),
+                              f"{st.proxy_url}/health"))
+        yield st
+    finally:
+        for p in reversed(st.procs):
+            p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def enqueue(r: redis.Redis, keys: Keys, groups: list[dict[str, Any]]) -> None:
+    ensure_group(r, keys.prompts, GROUP_ROLLOUT)
+    for g in groups:
+        r.xadd(keys.prompts, encode_entry(PromptGroup(enqueued_at=time.time(), **g)))  # type: ignore[arg-type]
+
+
+def new_rollouts(r: redis.Redis, keys: Keys, after: str = "-") -> list[RolloutGroup]:
+    return [decode_entry(f, RolloutGroup) for _, f in r.xrange(keys.rollouts, min=after)]
+
+
+def test_worker_rolls_groups_out_through_the_real_proxy_with_per_token_versions(
+        stack: Stack, redis_client: redis.Redis) -> None:
+    version = stack.proxy_version() or "0"
+    tail = f"({int(time.time() * 1000)}"  # only this test's entries
+    enqueue(redis_client, stack.keys, [
+        {"group_id": "rev-1", "prompt_id": "r1", "task": "reverse", "prompt": "reverse 4821", "reference": "1284",
+         "n_samples": 3},
+        {"group_id": "guess-1", "prompt_id": "q1", "task": "guess", "prompt": "guess 20-34",
+         "reference": {"low": 20, "high": 34, "secret": 21}, "n_samples": 2}])
+    proc = stack.worker("w-e2e")
+    assert proc.wait(240) == 0, stack.log("w-e2e")
+    out = {g.group_id: g for g in new_rollouts(redis_client, stack.keys, tail)}
+    assert set(out) == {"rev-1", "guess-1"} and all(g.status == "completed" for g in out.values()), stack.log("w-e2e")
+    for g in out.values():
+        assert len(g.meta["sessions"]) == g.meta["n_samples"] and {s.traj_id for s in g.samples} == set(g.meta["sessions"])
+        for sid in g.meta["sessions"]:
+            segs = sorted((s for s in g.samples if s.traj_id == sid), key=lambda s: s.segment_index)
+            assert all(s.reward == 0.0 for s in segs[:-1]) and 0.0 <= segs[-1].reward <= 1.0
+            for s in segs:
+                loss = [v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m]
+                context = [v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if not m]
+                assert loss and set(loss) == {version} and set(context) == {"-1"}
+                assert s.end_version == version and not s.partial_rollout and len(s.logprobs) == len(s.token_ids)
+            assert httpx.get(f"{stack.proxy_url}/v1/sessions/{sid}", timeout=10).status_code == 404  # deleted
+    assert out["guess-1"].meta["turns"][0] >= 1
+    assert redis_client.xpending(stack.keys.prompts, GROUP_ROLLOUT)["pending"] == 0
+
+
+def test_trajectory_crossing_a_weight_update_is_rejected_retried_whole_and_counted_once(
+        stack: Stack, redis_client: redis.Redis, tmp_path: Path) -> None:
+    marks, go = tmp_path / "marks", tmp_path / "go"
+    marks.mkdir()
+    agent = tmp_path / "two_call_agent.py"
+    agent.write_text(TWO_CALL_AGENT)
+    before = stack.proxy_version() or "0"
+    after = str(int(before) + 1)
+    tail = f"({int(time.time() * 1000)}"
+    enqueue(redis_client, stack.keys, [{"group_id": "span-1", "prompt_id": "s1", "task": "reverse",
+                                        "prompt": "reverse 123", "reference": "321", "n_samples": 2}])
+    proc = stack.worker("w-span", agent_command=f'["{sys.executable}", "{agent}", "{marks}", "{go}"]')
+    deadline = time.monotonic() + 120
+    while len(list(marks.iterdir())) < 2:  # both trajectories made their first call on `before`
+        assert proc.poll() is None and time.monotonic() < deadline, stack.log("w-span")
+        time.sleep(0.05)
+    publish_version(redis_client, stack.keys, WeightVersion(version=after, path=str(stack.model_dir), step=1,
+                                                            published_at=time.time()))
+    while stack.proxy_version() != after:
+        assert time.monotonic() < deadline, stack.log("proxy")
+        time.sleep(0.05)
+    go.touch()
+    assert proc.wait(240) == 0, stack.log("w-span")
+    out = new_rollouts(redis_client, stack.keys, tail)
+    assert [(g.attempt, g.status) for g in out] == [(0, "failed"), (1, "completed")], stack.log("w-span")
+    assert (out[0].error or "").startswith("partial_rollout_staleness_exceeded") and out[0].meta["handled"] == "reenqueued"
+    assert {real_version(v) for s in out[1].samples for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m} \
+        == {after}  # attempt 1 ran entirely on the new weights
+    rejections = [m for m in read_metrics(redis_client, stack.keys, "rollout-worker")
+                  if m.get("group_id") == "span-1" and "staleness/partial_rollout_rejected_groups" in m]
+    assert [(m["attempt"], m["staleness/partial_rollout_rejected_samples"]) for m in rejections] == [(0, 2)]
+
+
+def test_weight_updates_under_load_lose_and_double_nothing(stack: Stack, redis_client: redis.Redis) -> None:
+    """Versions published while multi-turn groups run: each attempt ends once, completed ones within the span."""
+    tail = f"({int(time.time() * 1000)}"
+    ids = [f"load-{i}" for i in range(8)]
+    enqueue(redis_client, stack.keys, [
+        {"group_id": gid, "prompt_id": gid, "task": "guess", "prompt": f"guess {10 + i}-{20 + i}",
+         "reference": {"low": 10 + i, "high": 20 + i, "secret": 15 + i}, "n_samples": 2} for i, gid in enumerate(ids)])
+    proc = stack.worker("w-load", concurrency="3", max_retries="3")
+    version = int(stack.proxy_version() or "0")
+    for step in range(1, 4):  # three updates while the worker runs
+        time.sleep(0.4)
+        publish_version(redis_client, stack.keys, WeightVersion(version=str(version + step), path=str(stack.model_dir),
+                                                                step=version + step, published_at=time.time()))
+    assert proc.wait(240) == 0, stack.log("w-load")
+    out = new_rollouts(redis_client, stack.keys, tail)
+    for gid in ids:
+        mine = [g for g in out if g.group_id == gid]
+        assert [g.attempt for g in mine] == list(range(len(mine)))  # no attempt lost or doubled
+        assert all(g.status == "failed" and g.meta["handled"] == "reenqueued" for g in mine[:-1])
+        last = mine[-1]
+        assert last.status == "completed" or last.meta["handled"] == "dead_lettered", last
+        for s in last.samples:  # max_partial_rollout_preempts = 0: one real version per completed trajectory
+            assert len({real_version(v) for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m}) == 1
+    assert redis_client.xpending(stack.keys.prompts, GROUP_ROLLOUT)["pending"] == 0
+    retried = sum(g.status == "failed" for g in out)
+    print(f"weight updates under load: {len(ids)} groups, {retried} failed attempts retried")
