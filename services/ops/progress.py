@@ -75,12 +75,12 @@ class Progress:
 
     def tick(self) -> None:
         try:
-            self.metrics.pull(self.r, self.keys)
             stats = self._stats()
             now = time.monotonic()
             if now - self._last_stats >= self.stats_every_s:
                 report_metrics(self.r, self.keys, "ops", {f"stats/{k}": v for k, v in stats.items()})
                 self._last_stats = now
+            self.metrics.pull(self.r, self.keys)  # after the snapshot, so the log holds it too
             latest = read_latest(self.r, self.keys)
         except redis.RedisError as exc:
             if not self._warned:
