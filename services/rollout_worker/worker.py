@@ -7,7 +7,9 @@ this consumer's next read of its own pending list or for another worker's reclai
 
 Loop: own pending entries first, then entries of dead workers idle for ``claim_idle_ms``
 (XAUTOCLAIM, every ``claim_idle_ms / 2``), then new entries; up to ``concurrency`` groups run at
-once. ``burst``: process what is available (including re-enqueued retries), then return 0.
+once; the entries in hand are touched (XCLAIM JUSTID) every ``claim_idle_ms / 3`` so a long group
+of a live worker is never reclaimed. ``burst``: process what is available (including re-enqueued
+retries), then return 0.
 SIGTERM (``StopFlag``): read nothing more, give groups in hand ``grace_period_s`` to finish and
 hand off, cancel the rest (their entries stay pending), return 0.
 """
@@ -53,6 +55,7 @@ class RolloutWorker:
         self._claimed: deque[Entry] = deque()
         self._active: set[bytes] = set()  # entry ids being processed now
         self._next_reclaim = 0.0
+        self._next_touch = 0.0
         self._errors = 0  # consecutive Redis errors (backoff)
 
     def run(self, burst: bool = False) -> int:
@@ -90,6 +93,25 @@ class RolloutWorker:
             got = self.reader.read(n - len(out), None if out else block_ms)
             out.extend(e for e in got if e.id not in self._active)
         return out
+
+    def _touch(self) -> None:
+        """Reset the idle time of the entries in hand (XCLAIM JUSTID to ourselves), so a group that
+        runs longer than ``claim_idle_ms`` is not reclaimed by another worker while it is alive."""
+        ids = list(self._active)
+        if ids:
+            self.r.xclaim(self.keys.prompts, GROUP_ROLLOUT, self.consumer, 0, ids, justid=True)
+
+    async def _keep_alive(self, in_flight: int) -> None:
+        """Heartbeat + touch of the entries in hand, off the event loop (Redis may be slow or down)."""
+        now = time.monotonic()
+        if now < self._next_touch:
+            return
+        self._next_touch = now + min(self.cfg.claim_idle_ms / 3000, self.heartbeat.ttl_s / 3)
+        try:
+            await asyncio.to_thread(self.heartbeat.beat, {"in_flight": in_flight, **self.counts}, True)
+            await asyncio.to_thread(self._touch)
+        except redis.RedisError as exc:
+            log.warning("keep-alive failed (entries in hand may be reclaimed): %s", exc)
 
     async def _fetch_safe(self, n: int, block_ms: int | None) -> list[Entry]:
         try:
@@ -195,7 +217,7 @@ class RolloutWorker:
         read: asyncio.Task[list[Entry]] | None = None
         starved = False  # burst: the last read found nothing; read again only after a group finishes
         while not self.stop.is_set:
-            self.heartbeat.beat({"in_flight": len(in_flight), **self.counts})
+            await self._keep_alive(len(in_flight))
             prom.IN_FLIGHT.set(len(in_flight))
             free = self.cfg.concurrency - len(in_flight)
             if read is None and free > 0 and not starved:
@@ -219,7 +241,7 @@ class RolloutWorker:
         if read is not None:
             await read  # a blocking read ends within block_ms; what it got stays pending for reclaim
         await self._drain(in_flight)
-        self.heartbeat.beat({"in_flight": 0, "stopping": True, **self.counts}, force=True)
+        await asyncio.to_thread(self.heartbeat.beat, {"in_flight": 0, "stopping": True, **self.counts}, True)
         prom.IN_FLIGHT.set(0)
         log.info("rollout-worker stopped consumer=%s counts=%s", self.consumer, dict(self.counts))
         return 0

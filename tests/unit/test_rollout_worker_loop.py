@@ -22,7 +22,7 @@ from shared.config import RolloutConfig
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import DeadLetter, PromptGroup, RolloutGroup
-from shared.streams import ensure_group
+from shared.streams import ensure_group, reclaim
 from shared.telemetry import read_metrics
 
 
@@ -160,6 +160,23 @@ def test_entries_of_a_dead_worker_are_reclaimed_after_the_idle_time(r: redis.Red
     worker(r, keys, FakeProxy(reply=solve), consumer="w2", claim_idle_ms=100).run(burst=True)
     assert sorted(g.group_id for g in rollouts(r, keys)) == ["g0", "g1"] and pending(r, keys) == 0
     assert {g.meta["worker"] for g in rollouts(r, keys)} == {"w2"}
+
+
+def test_a_live_worker_keeps_its_long_group_from_being_reclaimed(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    w = worker(r, keys, FakeProxy(reply=solve, delay_s=1.0), claim_idle_ms=300)
+
+    async def scenario() -> list[Any]:
+        run = asyncio.create_task(w.run_async(burst=True))
+        stolen = []
+        for _ in range(8):  # another worker keeps trying to reclaim while the group runs (1 s > 300 ms)
+            await asyncio.sleep(0.1)
+            stolen += reclaim(r, keys.prompts, GROUP_ROLLOUT, "thief", 300)
+        await run
+        return stolen
+
+    assert asyncio.run(scenario()) == []
+    assert [g.meta["worker"] for g in rollouts(r, keys)] == ["w1"] and pending(r, keys) == 0
 
 
 def test_result_is_dropped_when_another_worker_already_acknowledged_the_entry(r: redis.Redis, keys: Keys) -> None:
