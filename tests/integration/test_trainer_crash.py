@@ -1,0 +1,111 @@
+"""Trainer subprocesses killed with SIGKILL at each point of the step → checkpoint → ack → publish protocol.
+
+One history, five processes: ``python -m services.trainer --burst`` is run with
+``DRESSAGE_FAULT=<point>:<n>`` (the process SIGKILLs itself the n-th time it reaches the point) for
+each point of the protocol in turn, the state each crash leaves is checked, and a last clean run
+must end with: versions 0..N published once each in increasing order, no half-written checkpoint
+loaded, every batch trained exactly once (the checkpoints' consumed ids partition the batch ids
+and the final step count equals the batch count), nothing pending.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from trainer_factory import batch_fields, tiny_model, trainer_config, write_config_yaml
+
+from services.trainer.checkpoint import CheckpointStore
+from shared.keys import GROUP_TRAINER, Keys
+from shared.redisproc import RedisProcess
+from shared.versionbus import published_versions
+
+ROOT = Path(__file__).resolve().parents[2]
+N_BATCHES = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def run_trainer(config: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DRESSAGE_LOG_LEVEL": "INFO"}
+    env.pop("DRESSAGE_FAULT", None)
+    if fault:
+        env["DRESSAGE_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(config), "--burst"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys) -> tuple[Path, list[str]]:
+    cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix)
+    ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, N_BATCHES + 1)]  # type: ignore[arg-type, union-attr]
+    return write_config_yaml(tmp_path / "cfg.yaml", cfg), ids
+
+
+def check_history(r: redis.Redis, keys: Keys, store: CheckpointStore, ids: list[str]) -> None:
+    assert published_versions(r, keys) == [str(v) for v in range(N_BATCHES + 1)]  # each once, in order
+    done = store.complete()
+    assert [i.version for i in done] == list(range(N_BATCHES + 1))
+    consumed = [e for i in done for e in store.load_state(i)["consumed_entry_ids"]]
+    assert consumed == ids  # every batch in exactly one checkpoint, none twice
+    final = store.load_state(done[-1])
+    assert final["step"] == N_BATCHES and final["batches_trained"] == N_BATCHES  # trained once each
+    assert int(r.xpending(keys.batches, GROUP_TRAINER)["pending"]) == 0
+    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES  # type: ignore[arg-type]
+    assert not [p for p in store.root.iterdir() if p.name.startswith(".")]  # temp dirs cleaned up
+
+
+def pending_ids(r: redis.Redis, keys: Keys) -> list[str]:
+    return [p["message_id"].decode() for p in r.xpending_range(keys.batches, GROUP_TRAINER, "-", "+", 100)]
+
+
+def crash(config: Path, fault: str) -> str:
+    """Run the trainer until the fault kills it; its stderr."""
+    proc = run_trainer(config, fault)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    r = redis_client
+    config, ids = setup_run(tmp_path, model_dir, redis_server, r, keys)
+    store = CheckpointStore(tmp_path / "ckpt")
+
+    # 1. Between stepping and checkpointing: b2's step dies with the process, b2 stays pending.
+    crash(config, "after_step:2")
+    assert [i.version for i in store.complete()] == [0, 1] and published_versions(r, keys) == ["0", "1"]
+    assert pending_ids(r, keys) == [ids[1]]
+
+    # 2. Mid-checkpoint (files written, not renamed): a temp dir is left; it is never loaded.
+    crash(config, "mid_checkpoint:1")
+    leftovers = [p.name for p in store.root.iterdir() if p.name.startswith(".tmp-")]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-v00000002-")
+    assert [i.version for i in store.complete()] == [0, 1] and pending_ids(r, keys) == [ids[1]]
+
+    # 3. Between the rename and the XACK: v2 is complete on disk, unannounced, b2 still pending.
+    err = crash(config, "after_checkpoint:1")
+    assert "removed leftover checkpoint directory" in err
+    assert [i.version for i in store.complete()] == [0, 1, 2] and published_versions(r, keys) == ["0", "1"]
+    assert pending_ids(r, keys) == [ids[1]]
+
+    # 4. Restart: v2 is announced, b2 acknowledged WITHOUT retraining; then b3 → v3, killed after
+    #    its XACK but before publishing v3.
+    err = crash(config, "after_ack:1")
+    assert "announcing complete checkpoint version=2" in err
+    assert f"entry_id={ids[1]} is already in a checkpoint: acknowledging without training" in err
+    assert published_versions(r, keys) == ["0", "1", "2"] and pending_ids(r, keys) == []
+    assert [i.version for i in store.complete()] == [0, 1, 2, 3]
+
+    # 5. Clean restart: v3 is announced, the remaining batches train, versions keep increasing.
+    proc = run_trainer(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "announcing complete checkpoint version=3" in proc.stderr
+    check_history(r, keys, store, ids)
