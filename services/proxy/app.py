@@ -116,7 +116,10 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         req = parse(GenerateRequest, await _json_body(request), rt.limits)
         sid = _session_id(path_sid, request, req.session_id)
         sp = req.sampling_params
-        sampling = rt.sampling(sp.temperature, sp.top_p, sp.top_k, sp.sampling_seed, sp.stop_token_ids)
+        stops = sp.stop_token_ids if sp.stop_token_ids is not None else ([] if sp.ignore_eos else None)
+        sampling = rt.sampling(sp.temperature, sp.top_p, sp.top_k, sp.sampling_seed, stops)
+        if sp.ignore_eos:
+            sampling["ignore_eos"] = True
         gen, seg = await rt.turn(sid, _partial(request, rt.cfg.partial_rollout), req.input_ids,
                                  sp.max_new_tokens or rt.cfg.max_tokens_limit, sampling)
         text = rt.tokenizer.decode(gen.output_ids, skip_special_tokens=False)

@@ -6,7 +6,9 @@ One uvicorn worker: sessions, pause state and in-flight rids live in this proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +21,16 @@ from shared.logs import setup_logging
 from shared.modeling.loading import ModelNotFound, load_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown (exit -15); a service exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # handled: in-flight requests were answered
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runtime = ProxyRuntime(cfg.proxy, tokenizer, redis_factory=cfg.redis.client, keys=cfg.keys(),
                            heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, model_name=Path(tok_path).name or "dressage")
-    server = uvicorn.Server(uvicorn.Config(build_app(runtime), host=cfg.proxy.host, port=cfg.proxy.port,
+    server = _Server(uvicorn.Config(build_app(runtime), host=cfg.proxy.host, port=cfg.proxy.port,
                                            log_level="warning", access_log=False, workers=1))
     server.run()  # returns on SIGTERM/SIGINT once in-flight requests were answered
     return 0

@@ -125,6 +125,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(default=-1, ge=-1)
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     sampling_seed: int | None = Field(default=None, ge=0, lt=1 << 63)
+    ignore_eos: bool = False  # SGLang's knob: do not stop at the engine's end tokens (fixed-length runs)
 
     @field_validator("max_new_tokens")
     @classmethod
