@@ -4,7 +4,11 @@ Encoding: each entry carries plain, human-readable fields (``schema``, ``kind``,
 ``attempt``, ...) so ``redis-cli XRANGE`` shows what is in flight, plus ``body``: the full record as
 msgpack (``use_bin_type=True``). Per-token arrays of a ``Sample`` travel as raw little-endian bytes —
 ``token_ids`` int32, ``logprobs`` float32, ``loss_mask`` uint8 — because packing Python lists is
-30–50× slower (``bench/streams_hop.py`` measures the hop). ``token_versions`` stays a list of str.
+30–50× slower (``bench/streams_hop.py`` measures the hop); ``token_versions`` travels run-length
+encoded as ``[[version, count], ...]``. Plain lists are accepted on decode too (hand-written entries).
+Packed arrays are typed by construction, so decoding checks only their shape (lengths, 0/1 mask)
+instead of validating every token, and a decoded sample keeps its packed bytes: re-encoding an
+unchanged sample (the collector's pass-through hop) reuses them instead of packing again.
 
 Decoding is the edge: anything wrong — bad bytes, truncated msgpack, wrong ``schema`` or ``kind``,
 missing or mistyped fields, oversized containers — raises ``MalformedEntry`` with the reason and
@@ -13,21 +17,30 @@ nothing else. Nothing is ever unpickled.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Mapping
+from itertools import groupby
 from typing import Any, TypeVar, cast
 
 import msgpack
 from pydantic import BaseModel, ValidationError
 
+from shared import packed
 from shared.errors import MalformedEntry
-from shared.schemas import SCHEMA_VERSION, Batch, DeadLetter, PromptGroup, RolloutGroup
+from shared.schemas import (
+    MAX_GROUPS_PER_BATCH,
+    MAX_SAMPLES_PER_GROUP,
+    MAX_TOKENS_PER_SAMPLE,
+    SCHEMA_VERSION,
+    Batch,
+    DeadLetter,
+    PromptGroup,
+    RolloutGroup,
+    Sample,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # refuse bodies larger than this before unpacking
-_LITTLE = sys.byteorder == "little"
 # Explicit container limits: a hostile body cannot make the unpacker allocate more than this.
 _LIMITS = {"max_bin_len": MAX_BODY_BYTES, "max_str_len": 16 * 1024 * 1024, "max_array_len": 1 << 21,
            "max_map_len": 1 << 16, "max_ext_len": 0}
@@ -38,72 +51,125 @@ KINDS: dict[type[BaseModel], str] = {
     Batch: "batch",
     DeadLetter: "dead_letter",
 }
-_PACKED = {"token_ids": "i", "logprobs": "f", "loss_mask": "B"}  # array typecodes of packed Sample fields
+_PACKED = packed.TYPECODES
 
 
-def _pack_array(values: list[Any], code: str) -> bytes:
-    arr = array(code, values)
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tobytes()
+def _rle(versions: list[str]) -> list[list[Any]]:
+    return [[v, len(list(run))] for v, run in groupby(versions)]
 
 
-def _unpack_array(raw: Any, code: str, name: str) -> list[Any]:
-    if isinstance(raw, list):  # lists are accepted too (hand-written entries, other producers)
+def _unrle(runs: list[Any], where: str) -> list[str]:
+    out: list[str] = []
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 2 and isinstance(run[0], str) and isinstance(run[1], int)
+                and 0 <= run[1] <= MAX_TOKENS_PER_SAMPLE):
+            raise MalformedEntry(f"{where}: expected [version, count] runs, got {str(run)[:80]}")
+        out.extend([run[0]] * run[1])
+        if len(out) > MAX_TOKENS_PER_SAMPLE:
+            raise MalformedEntry(f"{where}: more than {MAX_TOKENS_PER_SAMPLE} tokens")
+    return out
+
+
+def _private(sample: Sample) -> dict[str, Any]:
+    return sample.__pydantic_private__  # type: ignore[return-value]  # direct: no __getattr__ chain per field
+
+
+def _cached(sample: Sample, name: str) -> Any:
+    raw = _private(sample)["_lazy"].get(name)
+    if raw is not None:  # never materialized: the bytes are still exactly what arrived
         return raw
-    if not isinstance(raw, (bytes, bytearray)):
-        raise MalformedEntry(f"{name}: expected bytes or list, got {type(raw).__name__}")
-    arr = array(code)
-    if len(raw) % arr.itemsize:
-        raise MalformedEntry(f"{name}: {len(raw)} bytes is not a multiple of {arr.itemsize}")
-    arr.frombytes(raw)
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tolist()
+    hit = _private(sample)["_packed"].get(name)
+    return hit[1] if hit is not None and hit[0] == getattr(sample, name) else None
 
 
-def _sample_to_wire(sample: dict[str, Any]) -> dict[str, Any]:
-    out = dict(sample)
+def _sample_to_wire(sample: Sample) -> dict[str, Any]:
+    out = sample.__dict__.copy()  # field values; arrays still lazy are absent and come from the cache
+    out["version_spans"] = [span.model_dump() for span in sample.version_spans]
     for name, code in _PACKED.items():
-        out[name] = _pack_array(sample[name], code)
+        raw = _cached(sample, name)
+        out[name] = raw if raw is not None else packed.pack(getattr(sample, name), code)
+    runs = _private(sample)["_packed"].get("token_versions")
+    same = runs is not None and runs[0] == sample.token_versions
+    out["token_versions"] = runs[1] if same and runs is not None else _rle(sample.token_versions)
     return out
 
 
-def _sample_from_wire(sample: Any) -> Any:
-    if not isinstance(sample, dict):
-        return sample  # the schema reports the type error
-    out = dict(sample)
-    for name, code in _PACKED.items():
-        if name in out:
-            out[name] = _unpack_array(out[name], code, f"samples[].{name}")
+def _sample_from_wire(raw: Any, where: str) -> Sample:
+    """Validate one sample; packed arrays are typed by construction, so only their shape is checked
+    and they stay bytes until someone reads them (``Sample.__getattr__``)."""
+    if not isinstance(raw, dict):
+        raise MalformedEntry(f"{where}: expected a map, got {type(raw).__name__}")
+    head = dict(raw)
+    lazy: dict[str, bytes] = {}
+    for name in _PACKED:
+        value = head.get(name)
+        if isinstance(value, (bytes, bytearray)):
+            if len(value) % packed.ITEMSIZE[name]:
+                raise MalformedEntry(f"{where}.{name}: {len(value)} bytes is not a multiple of {packed.ITEMSIZE[name]}")
+            lazy[name] = bytes(value)
+            head[name] = []
+    versions = head.get("token_versions")
+    runs = None
+    if isinstance(versions, list) and versions and isinstance(versions[0], list):
+        runs = versions
+        head["token_versions"] = _unrle(versions, f"{where}.token_versions")
+    mask = lazy.get("loss_mask")
+    try:
+        sample = Sample.model_validate(head, context={"arrays_deferred": True})
+        for name in lazy:
+            del sample.__dict__[name]
+        private = _private(sample)
+        private["_lazy"].update(lazy)
+        if runs is not None:
+            private["_packed"]["token_versions"] = (sample.token_versions.copy(), runs)
+        if mask is not None and mask.translate(None, b"\x00\x01"):  # bytes-level 0/1 check, no per-token loop
+            raise ValueError("loss_mask: every value must be 0 or 1")
+        sample.check_aligned(check_mask=mask is None)
+    except ValidationError as exc:
+        raise _malformed(exc, where) from exc
+    except ValueError as exc:
+        raise MalformedEntry(f"{where}: {exc}") from exc
+    return sample
+
+
+def _group_to_wire(group: RolloutGroup) -> dict[str, Any]:
+    out = group.model_dump(mode="python", exclude={"samples"})
+    out["samples"] = [_sample_to_wire(s) for s in group.samples]
     return out
 
 
-def _group_to_wire(group: dict[str, Any]) -> dict[str, Any]:
-    return {**group, "samples": [_sample_to_wire(s) for s in group["samples"]]}
-
-
-def _group_from_wire(group: Any) -> Any:
-    if isinstance(group, dict) and isinstance(group.get("samples"), list):
-        return {**group, "samples": [_sample_from_wire(s) for s in group["samples"]]}
-    return group
+def _group_from_wire(raw: Any, where: str) -> Any:
+    if isinstance(raw, dict) and isinstance(raw.get("samples"), list):
+        if len(raw["samples"]) > MAX_SAMPLES_PER_GROUP:
+            raise MalformedEntry(f"{where}.samples: more than {MAX_SAMPLES_PER_GROUP} samples")
+        return {**raw, "samples": [_sample_from_wire(s, f"{where}.samples.{i}") for i, s in enumerate(raw["samples"])]}
+    return raw  # the schema reports what is wrong
 
 
 def _to_wire(model: BaseModel) -> dict[str, Any]:
-    data = model.model_dump(mode="python")
     if isinstance(model, RolloutGroup):
-        return _group_to_wire(data)
+        return _group_to_wire(model)
     if isinstance(model, Batch):
-        data["groups"] = [_group_to_wire(g) for g in data["groups"]]
-    return data
+        data = model.model_dump(mode="python", exclude={"groups"})
+        data["groups"] = [_group_to_wire(g) for g in model.groups]
+        return data
+    return model.model_dump(mode="python")
 
 
 def _from_wire(data: dict[str, Any], kind: type[BaseModel]) -> dict[str, Any]:
     if kind is RolloutGroup:
-        return cast(dict[str, Any], _group_from_wire(data))
+        return cast(dict[str, Any], _group_from_wire(data, "RolloutGroup"))
     if kind is Batch and isinstance(data.get("groups"), list):
-        return {**data, "groups": [_group_from_wire(g) for g in data["groups"]]}
+        if len(data["groups"]) > MAX_GROUPS_PER_BATCH:
+            raise MalformedEntry(f"Batch.groups: more than {MAX_GROUPS_PER_BATCH} groups")
+        return {**data, "groups": [_group_from_wire(g, f"Batch.groups.{i}") for i, g in enumerate(data["groups"])]}
     return data
+
+
+def _malformed(exc: ValidationError, where: str) -> MalformedEntry:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    return MalformedEntry(f"{where}{'.' + loc if loc else ''}: {first.get('msg')} ({exc.error_count()} error(s))")
 
 
 def _plain(model: BaseModel) -> dict[str, str]:
@@ -170,11 +236,10 @@ def decode_body(raw: Any, kind: type[M]) -> M:
     if not isinstance(data, dict):
         raise MalformedEntry(f"body: expected a map, got {type(data).__name__}")
     try:
-        return kind.model_validate(_from_wire(data, kind))
+        # Samples were validated one by one above; the context stops their re-check inside the group.
+        return kind.model_validate(_from_wire(data, kind), context={"arrays_deferred": True})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise MalformedEntry(f"{kind.__name__}.{loc}: {first.get('msg')} ({exc.error_count()} error(s))") from exc
+        raise _malformed(exc, kind.__name__) from exc
     except RecursionError as exc:
         raise MalformedEntry("body: nested too deeply") from exc
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, model_validator
+
+from shared import packed
 
 SCHEMA_VERSION = "1"
 
@@ -17,6 +19,7 @@ SCHEMA_VERSION = "1"
 MAX_SAMPLES_PER_GROUP = 4096
 MAX_TOKENS_PER_SAMPLE = 1 << 20
 MAX_GROUPS_PER_BATCH = 4096
+_MASK_VALUES = frozenset((0, 1))
 
 
 class _Wire(BaseModel):
@@ -69,17 +72,74 @@ class Sample(_Wire):
     partial_rollout: bool = False  # loss tokens carry two or more real versions
     meta: dict[str, Any] = Field(default_factory=dict)  # free-form
 
+    # Wire cache (shared.codec). ``_lazy``: packed arrays not yet turned into lists (name -> raw bytes);
+    # they become lists on first access, so a consumer that never reads tokens (the collector) never
+    # pays for them. ``_packed``: (list as decoded, its raw bytes); encoding reuses the bytes while the
+    # list still equals the decoded one, so a pass-through hop never repacks tokens.
+    _lazy: dict[str, bytes] = PrivateAttr(default_factory=dict)
+    _packed: dict[str, tuple[list[Any], bytes]] = PrivateAttr(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        private = self.__dict__.get("__pydantic_private__") or object.__getattribute__(self, "__pydantic_private__")
+        lazy = private.get("_lazy") if private else None
+        if lazy and name in lazy:
+            raw = lazy.pop(name)
+            values = packed.unpack(raw, packed.TYPECODES[name])
+            self.__dict__[name] = values
+            private["_packed"][name] = (values.copy(), raw)
+            return values
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    def materialize(self) -> Sample:
+        """Turn every lazily held array into its list (before copying or dumping the model)."""
+        lazy = self.__pydantic_private__["_lazy"]  # type: ignore[index]
+        for name in list(lazy):
+            getattr(self, name)
+        return self
+
+    def field_len(self, name: str) -> int:
+        """Length of a per-token field without materializing a lazy array."""
+        raw = self.__pydantic_private__["_lazy"].get(name)  # type: ignore[index]
+        return len(raw) // packed.ITEMSIZE[name] if raw is not None else len(getattr(self, name))
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        return super().model_dump(**self.materialize() and kwargs)
+
+    def model_dump_json(self, **kwargs: Any) -> str:
+        return super().model_dump_json(**self.materialize() and kwargs)
+
+    def model_copy(self, *args: Any, **kwargs: Any) -> Sample:
+        return super().model_copy(*args, **self.materialize() and kwargs)
+
+    def __repr_args__(self) -> Any:
+        return super(Sample, self.materialize()).__repr_args__()
+
     @model_validator(mode="after")
-    def _aligned(self) -> Sample:
-        n = len(self.token_ids)
+    def _aligned(self, info: ValidationInfo) -> Sample:
+        if not (info.context or {}).get("arrays_deferred"):  # the codec attaches packed arrays, then checks
+            self.check_aligned()
+        return self
+
+    def __eq__(self, other: object) -> bool:  # the wire cache is not part of a sample's value
+        if not isinstance(other, Sample):
+            return False
+        self.materialize(), other.materialize()
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def check_aligned(self, check_mask: bool = True) -> None:
+        """All per-token lists have one length, within bounds, and the mask is 0/1 (ValueError otherwise)."""
+        n = self.field_len("token_ids")
         if n > MAX_TOKENS_PER_SAMPLE:
             raise ValueError(f"token_ids: {n} tokens exceeds the limit {MAX_TOKENS_PER_SAMPLE}")
-        for name in ("loss_mask", "logprobs", "token_versions"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name}: length {len(getattr(self, name))} != len(token_ids) {n}")
-        if any(m not in (0, 1) for m in self.loss_mask):
+        for name in ("loss_mask", "logprobs"):
+            if self.field_len(name) != n:
+                raise ValueError(f"{name}: length {self.field_len(name)} != len(token_ids) {n}")
+        if len(self.token_versions) != n:
+            raise ValueError(f"token_versions: length {len(self.token_versions)} != len(token_ids) {n}")
+        if check_mask and not _MASK_VALUES.issuperset(self.loss_mask):
             raise ValueError("loss_mask: every value must be 0 or 1")
-        return self
 
 
 class RolloutGroup(_Wire):
