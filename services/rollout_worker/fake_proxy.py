@@ -57,6 +57,7 @@ class FakeProxy:
         self.version, self.delay_s, self.fail, self.api_key = version, delay_s, fail, api_key
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.deleted: list[str] = []
+        self.finalized: set[str] = set()
         self.calls: list[tuple[str, ChatMessages]] = []
         self.active = 0  # model calls in progress right now
         self.max_active = 0  # high-water mark of concurrent model calls
@@ -108,13 +109,18 @@ class FakeProxy:
                 messages = json.loads(body or b"{}")["messages"]
             except (ValueError, KeyError, TypeError):
                 return 422, {"detail": {"error": "invalid_request", "message": "messages required"}}
+            if session in self.finalized:
+                return 409, {"detail": {"error": "session_conflict", "message": f"session {session!r} is finalized"}}
             return self._record(session, messages)
-        if len(parts) == 3 and parts[:2] == ["v1", "sessions"]:
+        if parts[:2] == ["v1", "sessions"] and len(parts) in (3, 4):
             with self._lock:
-                if method == "GET" and parts[2] in self.sessions:
+                read = (method == "GET" and len(parts) == 3) or (method == "POST" and parts[3:] == ["finalize"])
+                if read and parts[2] in self.sessions:
+                    if method == "POST":
+                        self.finalized.add(parts[2])
                     return 200, {"session_id": parts[2], "samples": list(self.sessions[parts[2]]),
-                                 "versions": [self.version]}
-                if method == "DELETE":
+                                 "finalized": parts[2] in self.finalized, "versions": [self.version]}
+                if method == "DELETE" and len(parts) == 3:
                     self.deleted.append(parts[2])
                     if self.sessions.pop(parts[2], None) is not None:
                         return 200, {"deleted": parts[2]}
@@ -180,8 +186,8 @@ class FakeProxyClient:
         body = await self._call("POST", "/v1/chat/completions", session_id, json.dumps({"messages": messages}).encode())
         return chat_reply(body, session_id)
 
-    async def session(self, session_id: str) -> dict[str, Any]:
-        return dict(await self._call("GET", f"/v1/sessions/{quote(session_id, safe='')}", session_id))
+    async def finalize(self, session_id: str) -> dict[str, Any]:
+        return dict(await self._call("POST", f"/v1/sessions/{quote(session_id, safe='')}/finalize", session_id))
 
     async def delete_session(self, session_id: str) -> None:
         try:

@@ -1,8 +1,8 @@
 """The worker's view of the proxy: a small async interface, its HTTP implementation, error mapping.
 
 Contract (ARCHITECTURE, proxy HTTP contract): ``POST /v1/chat/completions`` with header
-``X-Session-Id`` records one model call in that session; ``GET /v1/sessions/{id}`` returns
-``{"session_id", "samples": [Sample dicts], ...}``; ``DELETE /v1/sessions/{id}`` drops it; black-box
+``X-Session-Id`` records one model call in that session; ``POST /v1/sessions/{id}/finalize`` closes
+it to new turns and returns ``{"session_id", "samples": [Sample dicts], ...}``; ``DELETE /v1/sessions/{id}`` drops it; black-box
 agents reach the same session through the session-scoped base URL ``{proxy}/s/{id}/v1``.
 
 Every failure surfaces as ``TrajectoryFailed`` with a code: the proxy's own 502 ``detail.error``
@@ -40,8 +40,9 @@ class ProxyClient(Protocol):
         """One model call recorded in ``session_id``; returns the assistant's text."""
         ...
 
-    async def session(self, session_id: str) -> dict[str, Any]:
-        """The session record, including ``samples`` (Sample-shaped dicts)."""
+    async def finalize(self, session_id: str) -> dict[str, Any]:
+        """Close the session to new turns (a running turn is recorded first) and return its record,
+        including ``samples`` (Sample-shaped dicts)."""
         ...
 
     async def delete_session(self, session_id: str) -> None:
@@ -136,8 +137,8 @@ class HttpProxyClient:
                                    headers={"X-Session-Id": session_id})
         return chat_reply(resp.json(), session_id)
 
-    async def session(self, session_id: str) -> dict[str, Any]:
-        resp = await self._request("GET", f"/v1/sessions/{quote(session_id, safe='')}", session_id)
+    async def finalize(self, session_id: str) -> dict[str, Any]:
+        resp = await self._request("POST", f"/v1/sessions/{quote(session_id, safe='')}/finalize", session_id)
         body = resp.json()
         if not isinstance(body, dict):
             raise TrajectoryFailed("invalid_proxy_response", "session body is not an object", session_id=session_id)

@@ -73,7 +73,7 @@ class GroupRunner:
                     await run_whitebox(self.proxy, sid, episode, max_new, self.cfg.temperature)
                 else:
                     await run_blackbox(command, self.proxy, sid, group.task, episode, max_new, self.cfg.temperature)
-                record = await self.proxy.session(sid)
+                record = await self.proxy.finalize(sid)
         except TimeoutError as exc:
             raise TrajectoryFailed("trajectory_timeout", f"not done after {self.cfg.trajectory_timeout_s}s",
                                    session_id=sid) from exc

@@ -106,6 +106,12 @@ def pending(r: redis.Redis, keys: Keys) -> int:
     return int(r.xpending(keys.prompts, GROUP_ROLLOUT)["pending"])
 
 
+def wait_idle(r: redis.Redis, keys: Keys, ms: int) -> None:
+    """Until the one pending prompt entry has been idle for ``ms`` (its owner is dead or frozen)."""
+    wait_until(lambda: r.xpending_range(keys.prompts, GROUP_ROLLOUT, min="-", max="+", count=1)[0]
+               ["time_since_delivered"] > ms, 30)
+
+
 def in_flight(fake: FakeProxy) -> bool:
     """A model call is in progress (these tests have one group in the fake at a time)."""
     return fake.active > 0
@@ -141,6 +147,7 @@ def test_group_of_a_sigkilled_worker_is_reclaimed_and_handed_off_once(
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     assert pending(redis_client, keys) == 1 and rollouts(redis_client, keys) == []
+    wait_idle(redis_client, keys, 600)
     rescuer = workers.start("rescuer", "--burst", claim_idle_ms=500)
     assert rescuer.wait(60) == 0, workers.log("rescuer")
     out = rollouts(redis_client, keys)
@@ -157,6 +164,7 @@ def test_paused_worker_resumed_after_a_reclaim_does_not_hand_off_a_second_copy(
     wait_until(lambda: in_flight(fake), 30, lambda: workers.log("sleeper"))
     sleeper.send_signal(signal.SIGSTOP)
     try:
+        wait_idle(redis_client, keys, 600)
         rescuer = workers.start("rescuer", "--burst", claim_idle_ms=500)
         assert rescuer.wait(60) == 0, workers.log("rescuer")
         assert [g.meta["worker"] for g in rollouts(redis_client, keys)] == ["rescuer"]

@@ -37,7 +37,7 @@ def test_chat_returns_the_reply_and_records_a_sample_in_the_session(kind: str) -
 
     async def go() -> tuple[str, dict[str, Any]]:
         text = await client.chat("sess-1", MSGS, 8, 1.0)
-        return text, await client.session("sess-1")
+        return text, await client.finalize("sess-1")
 
     text, record = run(go)
     assert text == "hi sess-1"
@@ -81,9 +81,23 @@ def test_over_capacity_is_waited_out_not_a_failure(kind: str) -> None:
 def test_unknown_session_is_a_failure_but_deleting_it_is_fine(kind: str) -> None:
     client = make_client(kind, FakeProxy())
     with pytest.raises(TrajectoryFailed) as info:
-        run(lambda: client.session("nope"))
+        run(lambda: client.finalize("nope"))
     assert info.value.code == "unknown_session"
     run(lambda: client.delete_session("nope"))
+
+
+@CLIENTS
+def test_a_finalized_session_takes_no_more_turns(kind: str) -> None:
+    client = make_client(kind, FakeProxy())
+
+    async def go() -> None:
+        await client.chat("s", MSGS, 8, 1.0)
+        assert (await client.finalize("s"))["finalized"] is True
+        await client.chat("s", MSGS, 8, 1.0)
+
+    with pytest.raises(TrajectoryFailed) as info:
+        run(go)
+    assert info.value.code == "proxy_http_409"
 
 
 @CLIENTS
