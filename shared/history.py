@@ -1,18 +1,27 @@
-"""History checker: reconstructs what happened to every prompt group from Redis, Jepsen-style.
+"""History checker: what happened to every prompt group, reconstructed from Redis, Jepsen-style.
 
-It reads the streams after (or during) a run — ``{p}:prompts`` (every attempt ever enqueued),
-``{p}:batches`` + the trainer's record of trained batches (``{p}:trainer:trained``, one entry per
-batch, written in the same transaction as the batch's acknowledgement), and ``{p}:dead`` — and
-checks the conservation law of ARCHITECTURE §3: every produced group is trained exactly once or
-dead-lettered, with its attempts within the retry budget. ``lost`` and ``duplicated`` must be 0.
-Streams must not be trimmed below the history being checked (chaos runs disable trimming).
+It reads ``{p}:prompts`` (every attempt ever enqueued), ``{p}:batches``, the trainer's record of
+trained batches ``{p}:trainer:trained`` (one entry per acknowledgement, written in the same MULTI as
+the XACK, with the ``batch_ids`` and ``group_ids`` it covers) and ``{p}:dead``, and checks the
+conservation law of ARCHITECTURE §3: every produced group is trained exactly once or dead-lettered
+(never both), sits in at most one batch, and was attempted at most ``1 + max_retries`` times.
+
+A ``History`` is fed entry by entry and idempotently (``feed``), so a recorder that tails the streams
+while a run goes on (``poll``) keeps a copy that outlives Redis; ``collect`` then adds what Redis
+holds now, marks the groups that are still *live* (an entry pending or undelivered in its consumer
+group: in flight, not lost) and counts recorded entries Redis no longer has (``missing``: data loss,
+e.g. a restart without AOF). Verdict: ``lost``, ``duplicated``, ``in_two_batches``,
+``trained_and_dead``, ``dead_twice``, ``over_budget`` and ``missing`` must all be 0 (``ok``).
+Streams must not be trimmed below the history being checked (chaos runs disable trimming or record).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,23 +29,104 @@ import redis
 
 from shared.codec import decode_entry
 from shared.errors import MalformedEntry
-from shared.keys import Keys
-from shared.schemas import Batch
+from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
+from shared.schemas import Batch, DeadLetter
+
+STREAMS = ("prompts", "rollouts", "batches", "trained", "dead")  # what a History is fed from
+_GROUPS = {"prompts": GROUP_ROLLOUT, "rollouts": GROUP_COLLECTOR, "batches": GROUP_TRAINER}
 
 
 def _s(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, (bytes, bytearray)) else str(v)
 
 
+def _id(entry_id: Any) -> tuple[int, int]:
+    ms, _, seq = _s(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def stream_names(keys: Keys) -> dict[str, str]:
+    return {"prompts": keys.prompts, "rollouts": keys.rollouts, "batches": keys.batches,
+            "trained": keys.custom("trainer", "trained"), "dead": keys.dead}
+
+
 @dataclass
 class History:
+    max_retries: int | None = None  # when set, attempts beyond it are reported as over_budget
     produced: set[str] = field(default_factory=set)  # group ids enqueued with attempt 0
     attempts: dict[str, set[int]] = field(default_factory=dict)  # group id -> attempts enqueued
-    trained: Counter[str] = field(default_factory=Counter)  # group id -> times in a trained batch
-    batched: Counter[str] = field(default_factory=Counter)  # group id -> times in any batch entry
-    dead: dict[str, str] = field(default_factory=dict)  # group id -> reason
-    poison: int = 0  # dead letters without a group (malformed entries)
-    in_flight: set[str] = field(default_factory=set)  # produced, neither trained nor dead (yet)
+    trained: Counter[str] = field(default_factory=Counter)  # group id -> trained records naming it
+    batched: Counter[str] = field(default_factory=Counter)  # group id -> batch entries holding it
+    dead: dict[str, list[str]] = field(default_factory=dict)  # group id -> dead-letter reasons
+    poison: int = 0  # dead letters of malformed entries (no group)
+    live: set[str] = field(default_factory=set)  # groups with an entry still pending/undelivered
+    missing: dict[str, int] = field(default_factory=dict)  # stream -> recorded entries Redis lost
+    seen: dict[str, set[str]] = field(default_factory=dict)  # stream -> entry ids fed
+    batch_groups: dict[str, list[str]] = field(default_factory=dict)  # batch id -> its group ids
+    _unresolved: list[str] = field(default_factory=list)  # trained batch ids not seen in a batch yet
+
+    # --- feeding ------------------------------------------------------------------------------
+
+    def feed(self, stream: str, entry_id: Any, fields: Mapping[Any, Any]) -> None:
+        """Account one entry of ``stream`` (one of STREAMS); feeding the same entry twice is a no-op."""
+        ids = self.seen.setdefault(stream, set())
+        eid = _s(entry_id)
+        if eid in ids:
+            return
+        ids.add(eid)
+        f = {_s(k): v for k, v in fields.items()}
+        if stream == "prompts":
+            try:
+                gid, attempt = _s(f["group_id"]), int(_s(f["attempt"]))
+            except (KeyError, ValueError):
+                return  # a poison entry: counted when it is dead-lettered
+            self.attempts.setdefault(gid, set()).add(attempt)
+            if attempt == 0:
+                self.produced.add(gid)
+        elif stream == "batches":
+            try:
+                batch = decode_entry(f, Batch)
+            except MalformedEntry:
+                return
+            gids = [g.group_id for g in batch.groups]
+            self.batch_groups[batch.batch_id] = gids
+            self.batched.update(gids)
+            if batch.batch_id in self._unresolved:
+                self._unresolved.remove(batch.batch_id)
+                self.trained.update(gids)
+        elif stream == "trained":
+            self._feed_trained(f)
+        elif stream == "dead":
+            self._feed_dead(f)
+
+    def _feed_trained(self, f: dict[str, Any]) -> None:
+        if "group_ids" in f:
+            self.trained.update(str(g) for g in json.loads(_s(f["group_ids"])))
+            return
+        for bid in filter(None, _s(f.get("batch_ids", b"")).split(",")):
+            if bid in self.batch_groups:
+                self.trained.update(self.batch_groups[bid])
+            else:
+                self._unresolved.append(bid)
+
+    def _feed_dead(self, f: dict[str, Any]) -> None:
+        reason = _s(f.get("reason", b"?"))
+        groups: list[str] = []
+        if reason != "malformed":
+            if _s(f.get("source_stream", b"")).endswith(":batches"):
+                try:  # a whole batch given up: each of its groups is dead-lettered
+                    letter = decode_entry(f, DeadLetter)
+                    groups = [g.group_id for g in decode_entry(letter.fields, Batch).groups]
+                except MalformedEntry:
+                    groups = []
+            elif "group_id" in f:
+                groups = [_s(f["group_id"])]
+        if not groups:
+            self.poison += 1
+        for g in groups:
+            self.dead.setdefault(g, []).append(reason)
+
+    # --- verdict ------------------------------------------------------------------------------
 
     @property
     def reenqueued(self) -> int:
@@ -46,64 +136,118 @@ class History:
     def duplicated(self) -> list[str]:
         return sorted(g for g, n in self.trained.items() if n > 1)
 
-    def lost(self, quiescent: bool = True) -> list[str]:
-        """Groups neither trained nor dead-lettered; at quiescence every such group is lost."""
-        return sorted(self.in_flight) if quiescent else []
+    @property
+    def in_two_batches(self) -> list[str]:
+        return sorted(g for g, n in self.batched.items() if n > 1)
+
+    @property
+    def trained_and_dead(self) -> list[str]:
+        return sorted(g for g in self.trained if g in self.dead)
+
+    @property
+    def dead_twice(self) -> list[str]:
+        return sorted(g for g, reasons in self.dead.items() if len(reasons) > 1)
+
+    @property
+    def over_budget(self) -> list[str]:
+        if self.max_retries is None:
+            return []
+        return sorted(g for g, a in self.attempts.items() if max(a) > self.max_retries)
+
+    @property
+    def in_flight(self) -> list[str]:
+        """Produced groups with no outcome yet but an entry still live in a stream."""
+        return sorted(g for g in self.produced if g not in self.trained and g not in self.dead and g in self.live)
+
+    @property
+    def lost(self) -> list[str]:
+        """Produced groups with no outcome and no live entry anywhere: nothing can finish them."""
+        return sorted(g for g in self.produced if g not in self.trained and g not in self.dead and g not in self.live)
 
     def max_attempt(self) -> int:
         return max((max(a) for a in self.attempts.values() if a), default=0)
 
-    def summary(self, quiescent: bool = True) -> dict[str, Any]:
-        reasons = Counter(self.dead.values())
+    def summary(self) -> dict[str, Any]:
+        reasons = Counter(r for rs in self.dead.values() for r in rs)
         return {"produced": len(self.produced), "trained": sum(1 for g in self.trained if g in self.produced),
                 "reenqueued": self.reenqueued, "dead_lettered": len(self.dead),
                 "dead_by_reason": dict(sorted(reasons.items())), "poison": self.poison,
-                "lost": len(self.lost(quiescent)), "duplicated": len(self.duplicated),
-                "max_attempt": self.max_attempt()}
+                "in_flight": len(self.in_flight), "lost": len(self.lost), "duplicated": len(self.duplicated),
+                "in_two_batches": len(self.in_two_batches), "trained_and_dead": len(self.trained_and_dead),
+                "dead_twice": len(self.dead_twice), "over_budget": len(self.over_budget),
+                "max_attempt": self.max_attempt(), "missing": sum(self.missing.values())}
 
-    def render(self, quiescent: bool = True) -> str:
-        s = self.summary(quiescent)
-        lines = [f"{k:>14}: {v}" for k, v in s.items()]
-        if s["lost"]:
-            lines.append(f"  lost groups: {', '.join(self.lost(quiescent)[:20])}")
-        if s["duplicated"]:
-            lines.append(f"  duplicated groups: {', '.join(self.duplicated[:20])}")
+    @property
+    def ok(self) -> bool:
+        s = self.summary()
+        return not any(s[k] for k in ("lost", "duplicated", "in_two_batches", "trained_and_dead", "dead_twice",
+                                      "over_budget", "missing"))
+
+    def render(self) -> str:
+        s = self.summary()
+        lines = [f"{k:>16}: {v}" for k, v in s.items()]
+        for name in ("lost", "duplicated", "in_two_batches", "trained_and_dead", "dead_twice", "over_budget"):
+            if s[name]:
+                lines.append(f"  {name} groups: {', '.join(getattr(self, name)[:20])}")
+        if s["missing"]:
+            lines.append(f"  missing entries by stream: {self.missing}")
         return "\n".join(lines)
 
 
-def collect(r: redis.Redis, keys: Keys) -> History:
-    h = History()
-    for _, f in r.xrange(keys.prompts):
-        gid, attempt = f.get(b"group_id"), f.get(b"attempt")
-        if gid is None or attempt is None:
-            continue
-        g = _s(gid)
-        try:
-            a = int(_s(attempt))
-        except ValueError:
-            continue
-        h.attempts.setdefault(g, set()).add(a)
-        if a == 0:
-            h.produced.add(g)
-    batch_groups: dict[str, list[str]] = {}
-    for _, f in r.xrange(keys.batches):
-        try:
-            batch = decode_entry(f, Batch)
-        except MalformedEntry:
-            continue
-        gids = [g.group_id for g in batch.groups]
-        batch_groups[batch.batch_id] = gids
-        h.batched.update(gids)
-    for _, f in r.xrange(keys.custom("trainer", "trained")):
-        for bid in _s(f.get(b"batch_ids", b"")).split(","):
-            h.trained.update(batch_groups.get(bid, []))
-    for _, f in r.xrange(keys.dead):
-        gid = f.get(b"group_id")
-        if gid is None:
-            h.poison += 1
-        else:
-            h.dead[_s(gid)] = _s(f.get(b"reason", b"?"))
-    h.in_flight = {g for g in h.produced if g not in h.trained and g not in h.dead}
+# --- reading Redis ----------------------------------------------------------------------------
+
+def poll(r: redis.Redis, keys: Keys, h: History, cursors: dict[str, str], count: int = 1000) -> int:
+    """Feed ``h`` with the entries added since ``cursors`` (updated in place); returns how many."""
+    fed = 0
+    for name, stream in stream_names(keys).items():
+        start = cursors.get(name)
+        lo = "-" if start is None else f"({start}"
+        for entry_id, fields in r.xrange(stream, min=lo, max="+", count=count):
+            h.feed(name, entry_id, fields)
+            cursors[name] = _s(entry_id)
+            fed += 1
+    return fed
+
+
+def _live_ids(r: redis.Redis, stream: str, group: str, ids: list[str]) -> set[str]:
+    """Entries of ``stream`` that ``group`` has not finished: pending, or not delivered yet."""
+    try:
+        infos = {_s(g["name"]): g for g in r.xinfo_groups(stream)}
+    except redis.ResponseError:
+        return set(ids)  # no stream or no group yet: nothing was consumed
+    if group not in infos:
+        return set(ids)
+    last = _id(infos[group]["last-delivered-id"])
+    live = {i for i in ids if _id(i) > last}
+    live.update(_s(p["message_id"]) for p in r.xpending_range(stream, group, min="-", max="+", count=1_000_000))
+    return live
+
+
+def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries: int | None = None) -> History:
+    """Feed everything Redis holds now into ``into`` (or a new History) and mark live and missing entries."""
+    h = into if into is not None else History(max_retries=max_retries)
+    if max_retries is not None:
+        h.max_retries = max_retries
+    present: dict[str, dict[str, Any]] = {}
+    for name, stream in stream_names(keys).items():
+        present[name] = {_s(i): f for i, f in r.xrange(stream)}
+    for name in STREAMS:  # batches before trained, so trained batch ids resolve at once
+        for eid, fields in present[name].items():
+            h.feed(name, eid, fields)
+    h.missing = {n: len(h.seen.get(n, set()) - present[n].keys()) for n in STREAMS}
+    h.missing = {n: c for n, c in h.missing.items() if c}
+    h.live = set()
+    for name, group in _GROUPS.items():
+        stream = stream_names(keys)[name]
+        for eid in _live_ids(r, stream, group, list(present[name])):
+            fields = {_s(k): v for k, v in present[name][eid].items()}
+            if name == "batches":
+                try:
+                    h.live.update(g.group_id for g in decode_entry(fields, Batch).groups)
+                except MalformedEntry:
+                    pass
+            elif "group_id" in fields:
+                h.live.add(_s(fields["group_id"]))
     return h
 
 
@@ -111,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shared.history", description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--prefix", default="dressage")
-    ap.add_argument("--running", action="store_true", help="the pipeline is not quiescent: in-flight is not lost")
+    ap.add_argument("--max-retries", type=int, default=None, help="flag groups attempted more often")
     args = ap.parse_args(argv)
-    h = collect(redis.Redis.from_url(args.redis_url), Keys(args.prefix))
-    sys.stdout.write(h.render(quiescent=not args.running) + "\n")
-    return 1 if h.summary(not args.running)["lost"] or h.duplicated else 0
+    h = collect(redis.Redis.from_url(args.redis_url), Keys(args.prefix), max_retries=args.max_retries)
+    sys.stdout.write(h.render() + "\n")
+    return 0 if h.ok else 1
 
 
 if __name__ == "__main__":

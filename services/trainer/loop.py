@@ -9,6 +9,8 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
   XACK is acknowledged without training it again — a batch is never trained twice;
 * with ``train.update_weights_interval`` = k > 1 a checkpoint (and a version) comes every k steps;
   batches of the steps in between stay pending, so a crash retrains them from the last checkpoint;
+* the same MULTI/EXEC appends ``{p}:trainer:trained`` (``batch_ids``, ``group_ids``, ``step``,
+  ``version``): the record the history checker (``shared.history``) counts trained groups from;
 * a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
   original bytes in the same MULTI as its XACK, and the loop goes on;
 * on a Redis error the loop backs off (bounded), then re-syncs exactly as a restart would:
@@ -17,6 +19,7 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -43,6 +46,7 @@ from shared.versionbus import publish_version, read_latest
 log = logging.getLogger(__name__)
 
 SERVICE = "trainer"
+TRAINED_MAXLEN = 100_000  # {p}:trainer:trained is capped like {p}:dead
 Held = tuple[str, Batch]  # (stream entry id, decoded batch) trained or about to be
 
 
@@ -79,6 +83,7 @@ class TrainerLoop:
         self.reader = GroupReader(r, self.keys.batches, GROUP_TRAINER, self.consumer)
         self.heartbeat = Heartbeat(r, self.keys, SERVICE, self.consumer, cfg.ops.heartbeat_ttl_s)
         self.stats = self.keys.custom("stats")
+        self.trained_key = self.keys.custom("trainer", "trained")  # one entry per acknowledged batch set
 
     # --- startup and re-sync ------------------------------------------------------------------
 
@@ -266,6 +271,11 @@ class TrainerLoop:
         pipe.xack(self.keys.batches, GROUP_TRAINER, *[eid for eid, _ in held])
         pipe.hincrby(self.stats, "batches_trained", len(held))
         pipe.hincrby(self.stats, "groups_trained", sum(len(b.groups) for _, b in held))
+        # The record of what was trained, in the same MULTI as the XACK (read by shared.history).
+        pipe.xadd(self.trained_key, {"batch_ids": ",".join(b.batch_id for _, b in held),
+                                     "group_ids": json.dumps([g.group_id for _, b in held for g in b.groups]),
+                                     "step": str(self.learner.step), "version": str(self.version)},
+                  maxlen=TRAINED_MAXLEN, approximate=True)
         pipe.execute()
         log.info("acknowledged batches entry_ids=%s batch_ids=%s", ",".join(e for e, _ in held),
                  ",".join(b.batch_id for _, b in held))

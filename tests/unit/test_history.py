@@ -1,0 +1,169 @@
+"""History checker on fakeredis: each violation it claims to detect is detected, a clean run passes."""
+
+from __future__ import annotations
+
+import json
+
+import fakeredis
+import pytest
+from rollout_factory import prompt_group, rollout_group
+
+from shared import history
+from shared.codec import encode_entry
+from shared.history import History, collect, poll
+from shared.keys import GROUP_ROLLOUT, GROUP_TRAINER, Keys
+from shared.schemas import Batch, Window
+from shared.streams import dead_letter_fields, ensure_group
+
+K = Keys("h")
+TRAINED = K.custom("trainer", "trained")
+
+
+@pytest.fixture
+def r() -> fakeredis.FakeRedis:
+    r = fakeredis.FakeRedis()
+    for stream, group in ((K.prompts, GROUP_ROLLOUT), (K.batches, GROUP_TRAINER)):
+        ensure_group(r, stream, group)
+    return r
+
+
+def enqueue(r: fakeredis.FakeRedis, gid: str, attempt: int = 0, consume: bool = True) -> bytes:
+    """Put an attempt on {p}:prompts; ``consume`` reads and acknowledges it (a worker handled it)."""
+    eid: bytes = r.xadd(K.prompts, encode_entry(prompt_group(gid, attempt)))  # type: ignore[arg-type]
+    if consume:
+        r.xreadgroup(GROUP_ROLLOUT, "w", {K.prompts: ">"})
+        r.xack(K.prompts, GROUP_ROLLOUT, eid)
+    return eid
+
+
+def batch(r: fakeredis.FakeRedis, bid: str, *gids: str, train: bool = True, record_groups: bool = True) -> None:
+    b = Batch(batch_id=bid, groups=[rollout_group(g, ["0"]) for g in gids], trainer_version="0",
+              window=Window(keep_versions=0))
+    eid = r.xadd(K.batches, encode_entry(b))  # type: ignore[arg-type]
+    r.xreadgroup(GROUP_TRAINER, "t", {K.batches: ">"})
+    if train:
+        r.xack(K.batches, GROUP_TRAINER, eid)
+        fields = {"batch_ids": bid, "step": "1", "version": "1"}
+        if record_groups:
+            fields["group_ids"] = json.dumps(list(gids))
+        r.xadd(TRAINED, fields)  # type: ignore[arg-type]
+
+
+def dead(r: fakeredis.FakeRedis, gid: str, reason: str = "retries_exhausted") -> None:
+    fields = encode_entry(prompt_group(gid, 2))
+    r.xadd(K.dead, dead_letter_fields(reason, "boom", K.prompts, "1-1", fields))  # type: ignore[arg-type]
+
+
+def test_a_clean_run_passes_with_its_figures(r: fakeredis.FakeRedis) -> None:
+    for g in ("g1", "g2", "g3"):
+        enqueue(r, g)
+    enqueue(r, "g2", 1)
+    enqueue(r, "g3", 1)
+    enqueue(r, "g3", 2)
+    batch(r, "b1", "g1", "g2")
+    dead(r, "g3")
+    r.xadd(K.dead, dead_letter_fields("malformed", "bad", K.prompts, "9-9", {b"body": b"\xff"}))  # type: ignore[arg-type]
+    h = collect(r, K, max_retries=2)
+    s = h.summary()
+    assert h.ok, h.render()
+    assert (s["produced"], s["trained"], s["reenqueued"], s["dead_lettered"], s["poison"]) == (3, 2, 3, 1, 1)
+    assert s["dead_by_reason"] == {"retries_exhausted": 1} and s["max_attempt"] == 2
+
+
+def test_a_group_with_no_outcome_and_no_live_entry_is_lost(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    h = collect(r, K)
+    assert h.lost == ["g1"] and not h.ok
+
+
+def test_a_pending_or_undelivered_group_is_in_flight_not_lost(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1", consume=False)  # undelivered
+    r.xreadgroup(GROUP_ROLLOUT, "w", {K.prompts: ">"})  # now pending
+    enqueue(r, "g2", consume=False)  # undelivered
+    h = collect(r, K)
+    assert h.lost == [] and h.in_flight == ["g1", "g2"]
+
+
+def test_a_group_trained_twice_is_duplicated(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    batch(r, "b1", "g1")
+    r.xadd(TRAINED, {"batch_ids": "b1", "group_ids": json.dumps(["g1"])})
+    assert collect(r, K).duplicated == ["g1"]
+
+
+def test_a_group_in_two_batches_is_flagged_even_if_trained_once(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    batch(r, "b1", "g1")
+    batch(r, "b2", "g1", train=False)
+    h = collect(r, K)
+    assert h.in_two_batches == ["g1"] and h.duplicated == [] and not h.ok
+
+
+def test_a_group_both_trained_and_dead_lettered_is_flagged(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    batch(r, "b1", "g1")
+    dead(r, "g1", "stale_retries_exhausted")
+    h = collect(r, K)
+    assert h.trained_and_dead == ["g1"] and not h.ok
+
+
+def test_a_group_dead_lettered_twice_is_flagged(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    dead(r, "g1")
+    dead(r, "g1")
+    assert collect(r, K).dead_twice == ["g1"]
+
+
+def test_attempts_beyond_the_retry_budget_are_flagged(r: fakeredis.FakeRedis) -> None:
+    for a in range(4):
+        enqueue(r, "g1", a)
+    dead(r, "g1")
+    assert collect(r, K, max_retries=2).over_budget == ["g1"]
+    assert collect(r, K, max_retries=3).over_budget == []
+
+
+def test_trained_batch_ids_resolve_without_group_ids_in_any_order(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    h = History()
+    h.feed("trained", "1-1", {b"batch_ids": b"b1"})  # the record before its batch
+    batch(r, "b1", "g1", train=False)
+    collect(r, K, into=h)
+    assert h.trained["g1"] == 1 and h.lost == []
+
+
+def test_a_dead_lettered_batch_dead_letters_each_of_its_groups(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    enqueue(r, "g2")
+    b = Batch(batch_id="b1", groups=[rollout_group("g1", ["0"]), rollout_group("g2", ["0"])], window=Window(keep_versions=0))
+    r.xadd(K.dead, dead_letter_fields("invalid_batch", "too long", K.batches, "5-0", encode_entry(b)))  # type: ignore[arg-type]
+    h = collect(r, K)
+    assert h.dead == {"g1": ["invalid_batch"], "g2": ["invalid_batch"]} and h.poison == 0 and h.ok
+
+
+def test_recorded_entries_that_redis_lost_are_missing_and_their_groups_lost(r: fakeredis.FakeRedis) -> None:
+    h, cursors = History(), {}
+    enqueue(r, "g1")
+    enqueue(r, "g2", consume=False)
+    assert poll(r, K, h, cursors) == 2
+    assert poll(r, K, h, cursors) == 0  # incremental: nothing new
+    r.flushall()  # a restart without persistence
+    collect(r, K, into=h)
+    assert h.missing == {"prompts": 2} and h.lost == ["g1", "g2"] and not h.ok
+
+
+def test_feeding_the_same_entry_twice_counts_it_once(r: fakeredis.FakeRedis) -> None:
+    enqueue(r, "g1")
+    batch(r, "b1", "g1")
+    h = collect(r, K)
+    collect(r, K, into=h)
+    assert h.trained["g1"] == 1 and h.batched["g1"] == 1
+
+
+def test_cli_exit_code_says_whether_the_law_holds(r: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(history.redis.Redis, "from_url", staticmethod(lambda url: r))
+    enqueue(r, "g1")
+    assert history.main(["--prefix", "h"]) == 1
+    assert "lost groups: g1" in capsys.readouterr().out
+    batch(r, "b1", "g1")
+    assert history.main(["--prefix", "h", "--max-retries", "2"]) == 0
