@@ -1,0 +1,139 @@
+"""Loading a tokenizer and a causal LM from a Hugging Face directory, and chat token ids.
+
+Contract: one code path for the tiny CPU models built here and for real checkpoints (e.g. a
+Qwen3 model on a GPU machine): `AutoTokenizer` / `AutoModelForCausalLM` on a local
+directory, nothing downloaded (``local_files_only``). `load_model` returns the model in eval
+mode on the requested device and dtype. A missing or incomplete directory raises
+`ModelNotFound` naming the path and the missing file, before `transformers` is asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from shared.errors import ConfigError, DressageError
+
+log = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# Files without which a directory is not a loadable model (weights may also be sharded).
+TOKENIZER_FILES = ("tokenizer_config.json",)
+CONFIG_FILES = ("config.json",)
+WEIGHT_GLOBS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+class ModelNotFound(DressageError):
+    """A model or tokenizer directory is missing or lacks a required file; names the path."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'float32' / 'bfloat16' / 'float16' (or their short forms) -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"model.dtype={name!r}: expected one of {sorted(_DTYPES)}") from None
+
+
+def missing_files(path: str | Path) -> list[str]:
+    """Names of the files a complete model directory needs but `path` lacks ([] = complete)."""
+    p = Path(path)
+    if not p.is_dir():
+        return [str(p)]
+    missing = [f for f in (*CONFIG_FILES, *TOKENIZER_FILES) if not (p / f).is_file()]
+    if not (p / "tokenizer.json").is_file() and not (p / "vocab.json").is_file():
+        missing.append("tokenizer.json")
+    if not any((p / w).is_file() for w in WEIGHT_GLOBS):
+        missing.append("model.safetensors")
+    return missing
+
+
+def quiet_transformers() -> None:
+    """Turn off `transformers` progress bars (they would flood service logs on every reload)."""
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `path` (needs a chat template for chat use)."""
+    p = Path(path)
+    if not p.is_dir() or not (p / "tokenizer_config.json").is_file():
+        raise ModelNotFound(f"no tokenizer at {p} (tokenizer_config.json missing)")
+    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    if tok.pad_token_id is None:
+        # Real checkpoints sometimes lack a pad token; padding with eos is the usual fix.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+) -> PreTrainedModel:
+    """The causal LM saved in `path`, in eval mode on `device` with weights in `dtype`."""
+    p = Path(path)
+    missing = missing_files(p)
+    if missing:
+        raise ModelNotFound(f"model directory {p} is incomplete: missing {', '.join(missing)}")
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=parse_dtype(dtype), local_files_only=True)
+    model.to(device)  # type: ignore[arg-type]  # transformers' decorator hides Module.to
+    model.eval()
+    log.info("loaded model path=%s arch=%s device=%s dtype=%s", p, model.config.model_type, device, dtype)
+    return model
+
+
+def _as_dicts(messages: Sequence[Mapping[str, Any] | Any]) -> list[dict[str, Any]]:
+    """Accept plain dicts or objects with .role/.content (e.g. the wire `Message`)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if isinstance(m, Mapping):
+            if "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+            out.append(dict(m))
+        else:
+            out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def chat_input_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any] | Any],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template."""
+    rendered = tokenizer.apply_chat_template(
+        _as_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert isinstance(rendered, str)
+    # The template already writes every special token; do not let the tokenizer add a BOS.
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    return [int(i) for i in ids]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end an assistant turn: eos plus ChatML's end markers where the vocab has them."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+        tid = vocab.get(tok)
+        if tid is not None and tid not in ids:
+            ids.append(int(tid))
+    return ids
