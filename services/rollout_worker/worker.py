@@ -5,8 +5,8 @@ Every entry this worker reads leaves it exactly one way, in one MULTI/EXEC with 
 dead-lettered as poison — or it stays pending (crash, Redis down, stop past the grace period) for
 this consumer's next read of its own pending list or for another worker's reclaim.
 
-Loop: own pending entries first, then entries of dead workers idle for ``claim_idle_ms``
-(XAUTOCLAIM, every ``claim_idle_ms / 2``), then new entries; up to ``concurrency`` groups run at
+Loop: entries of dead workers idle for ``claim_idle_ms`` (XAUTOCLAIM, at most the free slots, a
+scan every ``claim_idle_ms / 2``), own pending entries, then new ones; up to ``concurrency`` groups run at
 once; the entries in hand are touched (XCLAIM JUSTID) every ``claim_idle_ms / 3`` so a long group
 of a live worker is never reclaimed. ``burst``: process what is available (including re-enqueued
 retries), then return 0.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 
 import redis
@@ -34,7 +34,7 @@ from shared.errors import MalformedEntry
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import PromptGroup
-from shared.streams import Entry, GroupReader, ensure_group, reclaim
+from shared.streams import Entry, GroupReader, ensure_group
 from shared.telemetry import Heartbeat, report_metrics
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class RolloutWorker:
         self.reader = GroupReader(r, keys.prompts, GROUP_ROLLOUT, consumer)
         self.heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
         self.counts: Counter[str] = Counter()  # completed / reenqueued / dead_lettered / poison / skipped
-        self._claimed: deque[Entry] = deque()
+        self._claim_cursor: bytes | str = b"0-0"  # XAUTOCLAIM scan position
         self._active: set[bytes] = set()  # entry ids being processed now
         self._next_reclaim = 0.0
         self._next_touch = 0.0
@@ -76,19 +76,34 @@ class RolloutWorker:
 
     # -- reading ---------------------------------------------------------------------------------
 
+    def _claim_idle(self, n: int) -> list[Entry]:
+        """Claim at most ``n`` entries idle for ``claim_idle_ms`` (dead or frozen workers' groups).
+
+        One XAUTOCLAIM step per call, its cursor kept across calls: a worker takes only what it
+        can start now, so the rest stays claimable by its peers (``shared.streams.reclaim`` takes
+        everything at once). Entries deleted while pending are acknowledged away.
+        """
+        resp = self.r.xautoclaim(self.keys.prompts, GROUP_ROLLOUT, self.consumer,
+                                 min_idle_time=self.cfg.claim_idle_ms, start_id=self._claim_cursor, count=n)
+        self._claim_cursor = resp[0]
+        got = [Entry(i, f or {}) for i, f in resp[1]]
+        gone = [e.id for e in got if not e.fields] + list(resp[2] if len(resp) > 2 else [])
+        if gone:
+            self.r.xack(self.keys.prompts, GROUP_ROLLOUT, *gone)
+        live = [e for e in got if e.fields and e.id not in self._active]
+        if live:
+            log.info("reclaimed %d idle entries entry_ids=%s", len(live), [e.id.decode() for e in live])
+        return live
+
     def _fetch(self, n: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``n`` entries: reclaimed ones first (when due), then own pending / new ones."""
-        now = time.monotonic()
-        if now >= self._next_reclaim:
-            self._next_reclaim = now + self.cfg.claim_idle_ms / 2000
-            got = reclaim(self.r, self.keys.prompts, GROUP_ROLLOUT, self.consumer, self.cfg.claim_idle_ms)
-            fresh = [e for e in got if e.id not in self._active]
-            if fresh:
-                log.info("reclaimed %d idle entries entry_ids=%s", len(fresh), [e.id.decode() for e in fresh])
-            self._claimed.extend(fresh)
+        """Up to ``n`` entries: idle ones of other workers (when due), then own pending / new ones."""
         out: list[Entry] = []
-        while self._claimed and len(out) < n:
-            out.append(self._claimed.popleft())
+        now = time.monotonic()
+        scanning = self._claim_cursor not in (b"0-0", "0-0")
+        if scanning or now >= self._next_reclaim:
+            if not scanning:
+                self._next_reclaim = now + self.cfg.claim_idle_ms / 2000
+            out = self._claim_idle(n)
         if len(out) < n:
             got = self.reader.read(n - len(out), None if out else block_ms)
             out.extend(e for e in got if e.id not in self._active)
@@ -113,14 +128,15 @@ class RolloutWorker:
         except redis.RedisError as exc:
             log.warning("keep-alive failed (entries in hand may be reclaimed): %s", exc)
 
-    async def _fetch_safe(self, n: int, block_ms: int | None) -> list[Entry]:
+    async def _fetch_safe(self, n: int, block_ms: int | None) -> list[Entry] | None:
+        """``_fetch`` with Redis outages contained: None (not "nothing there") after an error."""
         try:
             entries = await asyncio.to_thread(self._fetch, n, block_ms)
             self._errors = 0
             return entries
         except redis.RedisError as exc:
             await self._backoff("read", exc)
-            return []
+            return None
 
     async def _backoff(self, what: str, exc: Exception) -> None:
         self._errors += 1
@@ -214,7 +230,7 @@ class RolloutWorker:
 
     async def run_async(self, burst: bool = False) -> int:
         in_flight: dict[asyncio.Task[None], Entry] = {}
-        read: asyncio.Task[list[Entry]] | None = None
+        read: asyncio.Task[list[Entry] | None] | None = None
         starved = False  # burst: the last read found nothing; read again only after a group finishes
         while not self.stop.is_set:
             await self._keep_alive(len(in_flight))
@@ -222,7 +238,7 @@ class RolloutWorker:
             free = self.cfg.concurrency - len(in_flight)
             if read is None and free > 0 and not starved:
                 read = asyncio.create_task(self._fetch_safe(free, None if burst else self.cfg.block_ms))
-            waiting: set[asyncio.Task[None] | asyncio.Task[list[Entry]]] = set(in_flight)
+            waiting: set[asyncio.Task[None] | asyncio.Task[list[Entry] | None]] = set(in_flight)
             if read is not None:
                 waiting.add(read)
             if not waiting:
@@ -230,8 +246,8 @@ class RolloutWorker:
             done, _ = await asyncio.wait(waiting, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
             if read is not None and read in done:
                 entries, read = read.result(), None
-                starved = burst and not entries
-                for e in entries:
+                starved = burst and entries == [] and self._claim_cursor in (b"0-0", "0-0")
+                for e in entries or []:
                     self._active.add(e.id)
                     in_flight[asyncio.create_task(self._guarded(e), name=e.id.decode())] = e
             for t in [t for t in in_flight if t in done]:

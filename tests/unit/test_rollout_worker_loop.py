@@ -162,6 +162,18 @@ def test_entries_of_a_dead_worker_are_reclaimed_after_the_idle_time(r: redis.Red
     assert {g.meta["worker"] for g in rollouts(r, keys)} == {"w2"}
 
 
+def test_a_worker_claims_only_as_many_idle_entries_as_it_can_start(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 3)
+    r.xreadgroup(GROUP_ROLLOUT, "dead-worker", {keys.prompts: ">"}, count=3)
+    time.sleep(0.15)
+    w = worker(r, keys, FakeProxy(reply=solve), claim_idle_ms=100)
+    assert len(w._claim_idle(1)) == 1
+    owners = [p["consumer"] for p in r.xpending_range(keys.prompts, GROUP_ROLLOUT, min="-", max="+", count=10)]
+    assert sorted(owners) == [b"dead-worker", b"dead-worker", b"w1"]  # the rest stays claimable by peers
+    w.run(burst=True)
+    assert sorted(g.group_id for g in rollouts(r, keys)) == ["g0", "g1", "g2"] and pending(r, keys) == 0
+
+
 def test_a_live_worker_keeps_its_long_group_from_being_reclaimed(r: redis.Redis, keys: Keys) -> None:
     enqueue(r, keys, 1)
     w = worker(r, keys, FakeProxy(reply=solve, delay_s=1.0), claim_idle_ms=300)
@@ -228,6 +240,23 @@ def test_redis_error_at_commit_leaves_the_entry_pending_and_it_is_redone(
     monkeypatch.setattr("services.rollout_worker.worker.commit_completed", flaky)
     worker(r, keys, FakeProxy(reply=solve)).run(burst=True)
     assert len(calls) == 2 and [g.group_id for g in rollouts(r, keys)] == ["g0"] and pending(r, keys) == 0
+
+
+def test_burst_does_not_mistake_a_redis_outage_for_an_empty_stream(
+        r: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
+    enqueue(r, keys, 2)
+    w = worker(r, keys, FakeProxy(reply=solve))
+    real, failures = w._fetch, [2]
+
+    def flaky(n: int, block_ms: int | None) -> list[Any]:
+        if failures[0]:
+            failures[0] -= 1
+            raise redis.ConnectionError("redis restarting")
+        return real(n, block_ms)
+
+    monkeypatch.setattr(w, "_fetch", flaky)
+    assert w.run(burst=True) == 0
+    assert [g.group_id for g in rollouts(r, keys)] == ["g0", "g1"]
 
 
 async def stop_after(w: RolloutWorker, delay: float) -> int:
