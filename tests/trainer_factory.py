@@ -75,3 +75,44 @@ def write_config_yaml(path: Path, cfg: DressageConfig) -> Path:
             "eval": cfg.eval.model_dump(mode="json")}
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def rollout_batch(model: Any, tok: Any, task_name: str, rows: list[dict[str, Any]], n_samples: int, seed: int,
+                  batch_id: str, version: str = "0") -> Batch:
+    """Roll ``rows`` out with the model itself (temperature 1), score them with the task verifier and
+    record each reply token's behaviour logprob, as the proxy would: one GRPO group per row."""
+    import torch
+
+    from services.trainer.batching import TrainRow, collate
+    from services.trainer.loss import token_logprobs
+    from shared.modeling import chat_input_ids, generate_batch
+    from shared.tasks import get_task
+
+    task = get_task(task_name)
+    convs = [[{"role": "user", "content": r["prompt"]}] for r in rows for _ in range(n_samples)]
+    model.eval()
+    replies = generate_batch(model, tok, convs, max_new_tokens=task.max_new_tokens, greedy=False,
+                             temperature=1.0, seed=seed)
+    seqs = [(chat_input_ids(tok, c), reply) for c, reply in zip(convs, replies, strict=True)]
+    padded = collate([TrainRow(p + r.token_ids, [0] * (len(p) + len(r.token_ids)), [0.0] * (len(p) + len(r.token_ids)),
+                               0.0) for p, r in seqs], int(tok.pad_token_id))
+    with torch.no_grad():
+        logp = token_logprobs(model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits,
+                              padded.input_ids)
+    groups = []
+    for g, row in enumerate(rows):
+        samples = []
+        for j in range(n_samples):
+            k = g * n_samples + j
+            prompt, reply = seqs[k]
+            episode = task.start(row["prompt"], row["reference"])
+            episode.step(reply.text)
+            mask = [0] * len(prompt) + [1] * len(reply.token_ids)
+            versions = ["-1"] * len(prompt) + [version] * len(reply.token_ids)
+            lps = [float(x) if m else 0.0 for x, m in zip(logp[k, : len(mask)].tolist(), mask, strict=True)]
+            samples.append(Sample(traj_id=f"{batch_id}-{g}-{j}", token_ids=prompt + reply.token_ids, loss_mask=mask,
+                                  logprobs=lps, token_versions=versions, reward=episode.reward(),
+                                  finish_reason=reply.finish_reason, **sample_version_fields(mask, versions)))
+        groups.append(RolloutGroup(group_id=f"{batch_id}-{g}", prompt_id=row["prompt_id"], attempt=0,
+                                   status="completed", samples=samples))
+    return Batch(batch_id=batch_id, groups=groups, trainer_version=version, window=Window(keep_versions=0))
