@@ -223,34 +223,50 @@ class Supervisor:
         return None
 
     def run(self, stop_requested: Callable[[], bool], tick: Callable[[], None] | None = None,
-            tick_every_s: float = 1.0) -> RunResult:
-        """Start everything, watch until a result or a stop request, always stop the children."""
+            tick_every_s: float = 1.0, before_stop: Callable[[RunResult], None] | None = None) -> RunResult:
+        """Start everything, watch until a result or a stop request, always stop the children.
+
+        ``before_stop(result)`` runs while the children are still up (e.g. to stop some tiers
+        early and wait for a last evaluation); the full stop follows it in every case."""
         try:
-            try:
-                self.start(stop_requested)
-            except ServiceFailed as exc:
-                return RunResult("failed", exc.name, exc.exit_code, exc.tail, exc.why)
-            last_tick = 0.0
-            while not stop_requested():
-                result = self.poll()
-                if result is not None:
-                    return result
-                if tick is not None and time.monotonic() - last_tick >= tick_every_s:
-                    tick()
-                    last_tick = time.monotonic()
-                time.sleep(self.poll_s)
-            return RunResult("stopped", why="stop requested")
+            result = self._watch(stop_requested, tick, tick_every_s)
+            if before_stop is not None:
+                before_stop(result)
+            return result
         finally:
             self.stop()
 
+    def _watch(self, stop_requested: Callable[[], bool], tick: Callable[[], None] | None,
+               tick_every_s: float) -> RunResult:
+        try:
+            self.start(stop_requested)
+        except ServiceFailed as exc:
+            return RunResult("failed", exc.name, exc.exit_code, exc.tail, exc.why)
+        last_tick = 0.0
+        while not stop_requested():
+            result = self.poll()
+            if result is not None:
+                return result
+            if tick is not None and time.monotonic() - last_tick >= tick_every_s:
+                tick()
+                last_tick = time.monotonic()
+            time.sleep(self.poll_s)
+        return RunResult("stopped", why="stop requested")
+
     # -- stopping -------------------------------------------------------------------------
-    def stop(self) -> dict[str, int | None]:
-        """SIGTERM tier by tier from the highest, wait ``grace_s``, SIGKILL the rest. Exit codes by name."""
+    def stop(self, min_tier: int | None = None) -> dict[str, int | None]:
+        """SIGTERM tier by tier from the highest, wait ``grace_s``, SIGKILL the rest. Exit codes by name.
+
+        With ``min_tier`` only the tiers at or above it are stopped (the others keep running and a
+        later full ``stop()`` still ends them); without it the supervisor is done for good."""
         codes: dict[str, int | None] = {}
         if self._stopped:
             return {c.spec.name: (c.proc.returncode if c.proc else None) for c in self.children}
-        self._stopped = True
+        if min_tier is None:
+            self._stopped = True
         for tier in sorted({c.spec.tier for c in self.children}, reverse=True):
+            if min_tier is not None and tier < min_tier:
+                continue
             group = [c for c in self.children if c.spec.tier == tier and c.proc is not None]
             alive = [c for c in group if c.proc is not None and c.proc.poll() is None]
             for child in alive:

@@ -19,22 +19,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from services.ops.metricslog import MetricsLog
-from services.ops.plan import RunChoices, build_plan, run_prefix
+from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, run_prefix
 from services.ops.progress import Progress
 from services.ops.redisboot import NoRedisAvailable, resolve_redis
-from services.ops.supervisor import RestartPolicy, Supervisor, tail_lines
+from services.ops.supervisor import RestartPolicy, RunResult, Supervisor, tail_lines
 from shared.config import DressageConfig, load_config
 from shared.errors import ConfigError
 from shared.keys import Keys
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
+from shared.versionbus import read_latest
 
 log = logging.getLogger(__name__)
 DEMO_MAX_STEPS = 40  # used by --demo when neither --max-steps nor train.max_steps is set
+FINAL_EVAL_WAIT_S = 120.0  # after the last step: how long to wait for the last version's evaluation
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,6 +93,23 @@ def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
             code = subprocess.call([sys.executable, "-m", "services", *args], stdout=fh, stderr=subprocess.STDOUT)
         if code != 0:
             raise RuntimeError(f"{name} failed with exit code {code}:\n{tail_lines(logs / (name + '.log'))}")
+
+
+def wait_final_eval(progress: Progress, every: int, timeout_s: float, stopped: Callable[[], bool]) -> bool:
+    """After the trainer's last step, wait (bounded) for the evaluation of the last evaluated version."""
+    latest = read_latest(progress.r, progress.keys)
+    if latest is None or not latest.version.isdigit():
+        return False
+    target = str(int(latest.version) // every * every)
+    deadline = time.monotonic() + timeout_s
+    log.info("waiting up to %.0fs for the evaluation of version=%s", timeout_s, target)
+    while time.monotonic() < deadline and not stopped():
+        progress.tick()
+        if any(str(r.get("eval/version")) == target for r in progress.metrics.rows):
+            return True
+        time.sleep(1.0)
+    log.warning("no evaluation of version=%s within %.0fs", target, timeout_s)
+    return False
 
 
 def write_run_info(run_dir: Path, cfg: DressageConfig, choices: RunChoices, services: list[str]) -> None:
@@ -148,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         progress = Progress(r, keys, MetricsLog(run_dir / "metrics.jsonl"), max_steps, show=not args.quiet)
         sup = Supervisor(specs, restart=args.restart, grace_s=cfg.ops.stop_grace_s,
                          policy=RestartPolicy(max_restarts=cfg.ops.restart_max))
-        result = sup.run(lambda: stop.is_set, tick=progress.tick)
+        def finish_evaluation(res: RunResult) -> None:
+            if res.outcome == "finished" and cfg.eval.every_versions > 0 and not stop.is_set:
+                sup.stop(min_tier=TIER_SOURCE)  # no new rollouts; the eval worker keeps going
+                wait_final_eval(progress, cfg.eval.every_versions, FINAL_EVAL_WAIT_S, lambda: stop.is_set)
+
+        result = sup.run(lambda: stop.is_set, tick=progress.tick, before_stop=finish_evaluation)
         progress.finish()
         sys.stdout.write(result.describe() + "\n")
         if not result.ok:

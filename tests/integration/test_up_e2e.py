@@ -92,6 +92,8 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
     versions = [int(r["train/version"]) for r in train]
     assert versions == sorted(set(versions)) and versions[-1] == 3
     assert any(r.get("service") == "ops" and "stats/groups_trained" in r for r in rows)
+    # eval.every_versions is 2: the run waited for the evaluation of the last evaluated version.
+    assert any(str(r.get("eval/version")) == "2" and "eval/accuracy" in r for r in rows)
     report = run_dir / "report"
     assert sorted(p.name for p in report.glob("*.png")) == ["learning.png", "logprob_diff.png", "pipeline.png",
                                                             "staleness.png"]

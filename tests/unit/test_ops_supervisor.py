@@ -165,3 +165,26 @@ def test_tail_lines_reads_only_the_end(tmp_path: Path) -> None:
 def test_duplicate_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="duplicate"):
         Supervisor([spec("a", "pass", tmp_path), spec("a", "pass", tmp_path)])
+
+
+def test_partial_stop_then_before_stop_hook_then_full_stop(tmp_path: Path) -> None:
+    sup = Supervisor([spec("evaluator", SLEEP, tmp_path, tier=0), spec("worker", SLEEP, tmp_path, tier=1),
+                      spec("trainer", "import time\ntime.sleep(0.3)", tmp_path, tier=0, ends_run=True)],
+                     grace_s=5)
+    seen: dict[str, bool] = {}
+
+    def hook(result: RunResult) -> None:
+        assert result.outcome == "finished"
+        sup.stop(min_tier=1)  # the worker goes, the evaluator stays up for the hook's wait
+        seen["worker"] = alive(sup.pids()["worker"])
+        seen["evaluator"] = alive(sup.pids()["evaluator"])
+
+    result = run_until_with_hook(sup, hook)
+    assert result.outcome == "finished"
+    assert seen == {"worker": False, "evaluator": True}
+    assert not alive(sup.pids()["evaluator"])  # the full stop after the hook
+
+
+def run_until_with_hook(sup: Supervisor, hook: object, timeout: float = 10.0) -> RunResult:
+    deadline = time.monotonic() + timeout
+    return sup.run(stop_requested=lambda: time.monotonic() > deadline, before_stop=hook)  # type: ignore[arg-type]
