@@ -71,6 +71,7 @@ class EngineConfig(Section):
     max_new_tokens_limit: int = Field(default=4096, ge=1, le=1 << 20)  # larger max_new_tokens -> 422
     num_threads: int | None = Field(default=None, ge=1, le=1024)  # torch CPU threads; None = torch default
     tokenizer_path: str | None = None  # default: the model directory
+    admit_wait_ms: float = Field(default=5.0, ge=0, le=1000)  # arrivals gather this long to share a prefill
 
 
 class ProxyConfig(Section):

@@ -50,6 +50,7 @@ class PaddedKV:
         self.cache = cache  # per layer keys/values [B, H_kv, width, D]
         self.mask = mask  # [B, width] int64, 1 = real token
         self.lengths = lengths  # [B] int64, cached tokens per row = position of the next token
+        self._next_mask = mask  # set by decode_inputs, committed by advance
 
     @property
     def batch_size(self) -> int:
@@ -60,13 +61,18 @@ class PaddedKV:
         return int(self.mask.shape[1])
 
     def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention mask [B, width + 1], position ids [B, 1]) for feeding one token per row."""
-        ones = torch.ones((self.batch_size, 1), dtype=self.mask.dtype)
-        return torch.cat([self.mask, ones], dim=1), self.lengths.unsqueeze(1)
+        """(attention mask [B, 1, 1, width + 1] bool, position ids [B, 1]) for one token per row.
 
-    def advance(self, mask_with_new: torch.Tensor) -> None:
+        The mask is already 4-D (True = attend), so `transformers` uses it as is instead of
+        rebuilding a causal mask every step: a single query token may see every real column.
+        """
+        ones = torch.ones((self.batch_size, 1), dtype=self.mask.dtype)
+        self._next_mask = torch.cat([self.mask, ones], dim=1)
+        return self._next_mask.bool()[:, None, None, :], self.lengths.unsqueeze(1)
+
+    def advance(self) -> None:
         """Record that one token per row was appended (the model already grew the cache)."""
-        self.mask = mask_with_new
+        self.mask = self._next_mask
         self.lengths = self.lengths + 1
 
     def select(self, rows: Sequence[int]) -> None:

@@ -67,7 +67,8 @@ def build_service(cfg: DressageConfig) -> EngineService:
     runner = ModelRunner(model, pad_token_id=int(tok.pad_token_id or 0))
     sched = Scheduler(runner, weight_version=ec.weight_version, model_path=model_path,
                       max_batch_size=ec.max_batch_size, max_queue=ec.max_queue,
-                      max_prefill_tokens=ec.max_prefill_tokens, seed=ec.seed)
+                      max_prefill_tokens=ec.max_prefill_tokens, seed=ec.seed,
+                      admit_wait_s=ec.admit_wait_ms / 1000)
     sched.start()
     log.info("engine ready model_path=%s version=%s max_batch_size=%d threads=%d", model_path,
              ec.weight_version, ec.max_batch_size, torch.get_num_threads())

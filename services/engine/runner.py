@@ -83,7 +83,7 @@ class ModelRunner:
         mask, pos = kv.decode_inputs()
         with torch.inference_mode():
             logits = self._forward(tokens.unsqueeze(1), mask, pos, kv.cache, keep=1)
-        kv.advance(mask)
+        kv.advance()
         return logits[:, -1, :].float().cpu()
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:

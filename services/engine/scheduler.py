@@ -24,15 +24,15 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
 
-from services.engine.kv import PaddedKV
+from services.engine.batch import Finished, RunningBatch, Seq
 from services.engine.requests import (
     DoneCallback,
     DuplicateRequest,
@@ -41,28 +41,12 @@ from services.engine.requests import (
     GenResult,
     InvalidRequest,
     abort_reason,
-    length_reason,
-    stop_reason,
 )
 from services.engine.runner import ModelRunner
-from services.engine.sampling import BatchSampler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PauseMode = Literal["abort", "in_place", "retract"]
-
-
-@dataclass
-class _Seq:
-    """One request inside the engine (waiting or running)."""
-
-    req: GenRequest
-    on_done: DoneCallback
-    budget: int  # max_new_tokens clamped to the context
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
 
 
 class Scheduler:
@@ -70,24 +54,22 @@ class Scheduler:
 
     def __init__(self, runner: ModelRunner, *, weight_version: str = "0", model_path: str = "",
                  max_batch_size: int = 32, max_queue: int = 1024, max_prefill_tokens: int = 8192,
-                 seed: int = 0) -> None:
+                 seed: int = 0, admit_wait_s: float = 0.005) -> None:
         self.runner = runner
         self.weight_version = weight_version
         self.model_path = model_path
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.admit_wait_s = admit_wait_s  # arrivals gather this long to share one prefill pass
         self.paused = False
-        self.stats = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0, "aborted": 0, "swaps": 0}
-        self._rng = random.Random(seed)
+        self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0, "aborted": 0,
+                                        "swaps": 0, "busy_s": 0.0, "busy_cpu_s": 0.0}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: set[str] = set()
-        self._waiting: deque[_Seq] = deque()
-        self._rows: list[_Seq] = []  # aligned with the rows of self._kv
-        self._kv: PaddedKV | None = None
-        self._last = torch.zeros(0, dtype=torch.long)  # token each row feeds next
-        self._sampler: BatchSampler | None = None
+        self._waiting: deque[Seq] = deque()
+        self.batch = RunningBatch(runner, random.Random(seed))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,7 +84,7 @@ class Scheduler:
             if len(self._live) >= self.max_batch_size + self.max_queue:
                 raise EngineBusy(f"{len(self._live)} requests in the engine (max_queue={self.max_queue})")
             self._live.add(req.rid)
-        seq = _Seq(req, on_done, budget)
+        seq = Seq(req, on_done, budget)
         self._commands.put(lambda: self._waiting.append(seq))
 
     def abort(self, rid: str) -> Future[bool]:
@@ -136,12 +118,12 @@ class Scheduler:
             old, self.weight_version, self.model_path = self.weight_version, version, model_path
             self.stats["swaps"] += 1
             log.info("weights swapped version=%s previous=%s path=%s running=%d", version, old,
-                     model_path, len(self._rows))
+                     model_path, len(self.batch))
             return n
         return self._call(run)
 
     def counts(self) -> dict[str, Any]:
-        return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self.paused,
+        return {"running": len(self.batch), "waiting": len(self._waiting), "paused": self.paused,
                 "weight_version": self.weight_version, **self.stats}
 
     # ----- thread ---------------------------------------------------------------------------
@@ -164,34 +146,58 @@ class Scheduler:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             try:
-                if not self.step():
+                if self.step():
+                    time.sleep(0)  # yield the GIL so the HTTP thread can hand over arrivals and aborts
+                else:
                     cmd = self._get_command(timeout=0.5)  # idle: sleep until a command arrives
                     if cmd is not None:
                         cmd()
+                        self._gather_burst()
             except Exception:  # a failing forward must not hang its callers: fail them, go on
-                log.exception("engine step failed; aborting %d running requests", len(self._rows))
-                self._remove({i: abort_reason("engine error") for i in range(len(self._rows))})
+                log.exception("engine step failed; aborting %d running requests", len(self.batch))
+                for seq in self.batch.remove(range(len(self.batch))):
+                    self._finish(seq, abort_reason("engine error"))
         self._drain()
         self._abort(lambda s: True, "engine shutting down")
 
+    def _gather_burst(self) -> None:
+        """After idling, take the commands that arrive within `admit_wait_s` before computing.
+
+        Requests come in bursts (a group's samples, a proxy resuming after a weight update);
+        prefilling the burst together costs one forward pass instead of one per request.
+        """
+        deadline = time.monotonic() + self.admit_wait_s
+        while (left := deadline - time.monotonic()) > 0 and (cmd := self._get_command(left)) is not None:
+            cmd()
+
     def _get_command(self, timeout: float) -> Callable[[], None] | None:
         try:
-            return self._commands.get(timeout=timeout)
+            return self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
         except queue.Empty:
             return None
 
     # ----- one iteration ----------------------------------------------------------------------
     def step(self) -> bool:
-        """Run pending commands, admit and prefill joiners, decode one token. True if it computed."""
+        """Run pending commands, admit and prefill joiners, decode one token.
+
+        Returns False when there is nothing to do (idle or paused), so ``while s.step(): pass``
+        is the burst mode: it returns once every submitted request has finished.
+        """
         self._drain()
         if self.paused:
             return False
+        t0, c0 = time.perf_counter(), time.thread_time()
         joiners = self._admit()
         if joiners:
-            self._prefill(joiners)
-        if self._rows:
-            self._decode()
-        return bool(joiners or self._rows)
+            self.stats["prefills"] += 1
+            self._finish_all(self.batch.join(joiners, self.weight_version))
+        if self.batch:
+            self.stats["decode_steps"] += 1
+            self._finish_all(self.batch.decode(self.weight_version))
+        self.stats["generated_tokens"] = self.batch.generated
+        self.stats["busy_s"] += time.perf_counter() - t0  # wall time computing
+        self.stats["busy_cpu_s"] += time.thread_time() - c0  # CPU time of this thread computing
+        return bool(joiners or self.batch or self._waiting)
 
     def _drain(self) -> None:
         while (cmd := self._get_command(timeout=0)) is not None:
@@ -219,10 +225,16 @@ class Scheduler:
             raise InvalidRequest("input_ids", f"{len(req.input_ids)} tokens leave no room in the "
                                               f"context of {self.runner.context_len}")
 
-    def _admit(self) -> list[_Seq]:
-        joiners: list[_Seq] = []
+    def _admit(self) -> list[Seq]:
+        free = self.max_batch_size - len(self.batch)
+        if (self.batch and self._waiting and len(self._waiting) < free
+                and time.monotonic() - self._waiting[0].arrived < self.admit_wait_s):
+            # A running batch lets a trickle of arrivals gather for up to admit_wait_s, so
+            # they cost one prefill pass instead of one each (the batch keeps decoding meanwhile).
+            return []
+        joiners: list[Seq] = []
         widest = 0
-        while self._waiting and len(self._rows) + len(joiners) < self.max_batch_size:
+        while self._waiting and len(self.batch) + len(joiners) < self.max_batch_size:
             n = len(self._waiting[0].req.input_ids)
             if joiners and max(widest, n) * (len(joiners) + 1) > self.max_prefill_tokens:
                 break
@@ -230,91 +242,23 @@ class Scheduler:
             joiners.append(self._waiting.popleft())
         return joiners
 
-    def _prefill(self, joiners: list[_Seq]) -> None:
-        want = [i for i, s in enumerate(joiners) if s.req.logprob_start_len >= 0]
-        out = self.runner.prefill([s.req.input_ids for s in joiners], logprob_rows=want)
-        self.stats["prefills"] += 1
-        for i in want:
-            start = joiners[i].req.logprob_start_len
-            lps: list[float | None] = [None, *out.logprobs[i]] if out.logprobs else []
-            joiners[i].input_logprobs = lps[start:]
-        sampler = BatchSampler([s.req.sampling for s in joiners], self.runner.vocab_size)
-        tokens = self._sample(sampler, joiners, out.last_logits)
-        done = {i: length_reason(0) for i, s in enumerate(joiners) if s.budget <= 0}
-        done.update(self._record(joiners, tokens, skip=done))
-        keep = [i for i in range(len(joiners)) if i not in done]
-        for i, reason in done.items():
-            self._finish(joiners[i], reason)
-        if not keep:
-            return
-        out.kv.select(keep)
-        self._kv = out.kv if self._kv is None else PaddedKV.concat(self._kv, out.kv)
-        self._rows.extend(joiners[i] for i in keep)
-        self._last = torch.cat([self._last, tokens[0][keep]])
-        self._sampler = None
-
-    def _decode(self) -> None:
-        assert self._kv is not None
-        logits = self.runner.decode(self._kv, self._last)
-        self.stats["decode_steps"] += 1
-        if self._sampler is None:
-            self._sampler = BatchSampler([s.req.sampling for s in self._rows], self.runner.vocab_size)
-        tokens = self._sample(self._sampler, self._rows, logits)
-        self._last = tokens[0]
-        done = self._record(self._rows, tokens)
-        if done:
-            self._remove(done)
-
-    def _sample(self, sampler: BatchSampler, seqs: list[_Seq],
-                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        u = None if sampler.all_greedy else sampler.uniforms([len(s.out) for s in seqs], self._rng)
-        return sampler.sample(logits, u)
-
-    def _record(self, seqs: list[_Seq], tokens: tuple[torch.Tensor, torch.Tensor],
-                skip: dict[int, Any] | None = None) -> dict[int, dict[str, Any]]:
-        """Append each row's new token; return {row: finish reason} for rows that finished."""
-        version, done = self.weight_version, {}
-        for i, (tok, lp) in enumerate(zip(tokens[0].tolist(), tokens[1].tolist(), strict=True)):
-            if skip and i in skip:
-                continue
-            s = seqs[i]
-            s.out.append(tok)
-            s.logprobs.append(lp)
-            s.versions.append(version)
-            if tok in s.req.stop_token_ids:
-                done[i] = stop_reason(tok)
-            elif len(s.out) >= s.budget:
-                done[i] = length_reason(len(s.out))
-        self.stats["generated_tokens"] += len(seqs) - len(skip or ())
-        return done
-
-    def _remove(self, reasons: dict[int, dict[str, Any]]) -> None:
-        """Finish the running rows in `reasons` (row -> finish reason) and drop them from the batch."""
-        gone = set(reasons)
-        for i, reason in reasons.items():
-            self._finish(self._rows[i], reason)
-        keep = [i for i in range(len(self._rows)) if i not in gone]
-        self._rows = [self._rows[i] for i in keep]
-        self._last = self._last[keep]
-        self._sampler = None
-        if not keep:
-            self._kv = None
-        elif self._kv is not None:
-            self._kv.select(keep)
-
-    def _abort(self, match: Callable[[_Seq], bool], message: str) -> int:
+    def _abort(self, match: Callable[[Seq], bool], message: str) -> int:
         reason = abort_reason(message)
         waiting = [s for s in self._waiting if match(s)]
         for s in waiting:
             self._waiting.remove(s)
             self._finish(s, reason)
-        running = {i: reason for i, s in enumerate(self._rows) if match(s)}
-        if running:
-            self._remove(running)
+        running = self.batch.remove(i for i, s in enumerate(self.batch.rows) if match(s))
+        for s in running:
+            self._finish(s, reason)
         self.stats["aborted"] += len(waiting) + len(running)
         return len(waiting) + len(running)
 
-    def _finish(self, s: _Seq, reason: dict[str, Any]) -> None:
+    def _finish_all(self, finished: Finished) -> None:
+        for seq, reason in finished:
+            self._finish(seq, reason)
+
+    def _finish(self, s: Seq, reason: dict[str, Any]) -> None:
         result = GenResult(
             rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out,
             output_logprobs=s.logprobs, output_versions=s.versions, finish_reason=reason,
