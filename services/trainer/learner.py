@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from services.trainer.batching import build_rows, collate, micro_batches, validate_batch
-from services.trainer.loss import LossConfig, policy_loss, token_entropy, token_logprobs
+from services.trainer.loss import LossConfig, entropy_sum, policy_loss, token_logprobs
 from shared.config import TrainConfig
 from shared.schemas import Batch
 
@@ -89,8 +89,7 @@ class Learner:
             logp = token_logprobs(logits, t.input_ids)
             parts = policy_loss(logp, t.rollout_logp, t.advantages, t.mask, n_tokens, self.loss_cfg,
                                 self._ref_logprobs(t.input_ids, t.attention_mask))
-            with torch.no_grad():
-                sums["entropy"] += float((token_entropy(logits.detach()) * t.mask).sum())
+            sums["entropy"] += entropy_sum(logits.detach(), t.mask)
             del logits
             parts.loss.backward()
             loss_total += float(parts.loss.detach())

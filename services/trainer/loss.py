@@ -108,18 +108,24 @@ def train_masks(samples: Sequence[Any], mask_nonlast: bool) -> list[list[int]]:
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` log-probability of each token given its prefix (position 0 is 0.0).
 
-    ``logits[b, t]`` predicts ``input_ids[b, t + 1]``; computed in float32 for stability.
+    ``logits[b, t]`` predicts ``input_ids[b, t + 1]``. Computed as ``logit - logsumexp`` in float32,
+    which keeps no ``[B, T, vocab]`` log-softmax alive for the backward pass.
     """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    shifted = logits[:, :-1].float()
+    picked = shifted.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` entropy of the predictive distribution of each token (position 0 is 0.0)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.nn.functional.pad(ent, (1, 0), value=0.0)
+@torch.no_grad()
+def entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Sum over loss tokens of the entropy of the distribution that predicted each token.
+
+    Only the masked positions are expanded to full-vocabulary probabilities (memory stays small
+    for real vocabularies).
+    """
+    picked = logits[:, :-1][mask[:, 1:] > 0].float()  # [n_loss_tokens, vocab]
+    logp = torch.log_softmax(picked, dim=-1)
+    return float(-(logp.exp() * logp).sum())
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

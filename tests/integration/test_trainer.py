@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,27 @@ def test_published_versions_are_evaluated_by_the_rq_worker(
     assert job.func_name == "shared.evaluation.run_eval_job" and not job.args
     assert all(isinstance(v, (str, int)) for v in job.kwargs.values())  # JSON-safe, nothing pickled
     assert job.kwargs["version"] == "2" and "redis_url" not in job.kwargs  # no URL (it may hold a password)
+
+
+def test_trainer_rides_out_a_redis_restart(model_dir: Path, tmp_path: Path) -> None:
+    server = RedisProcess(directory=tmp_path / "redis", appendonly=True).start()
+    try:
+        r = redis.Redis.from_url(server.url)
+        keys = Keys("restart")
+        cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix, max_steps=3)
+        cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"reconnect_backoff_max_s": 0.2})})
+        push(r, keys, "b1", "b2")
+        trainer = open_trainer(cfg, r, with_sinks=False)
+        worker = threading.Thread(target=trainer.run, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while published_versions(r, keys)[-1:] != ["2"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.restart()  # SIGKILL + start on the same AOF directory
+        push(r, keys, "b3")
+        worker.join(60)
+        assert not worker.is_alive()
+        assert published_versions(r, keys) == ["0", "1", "2", "3"]
+        assert stats(r, keys)["batches_trained"] == 3 and pending(r, keys) == 0
+    finally:
+        server.cleanup()

@@ -10,6 +10,7 @@ import torch
 from services.trainer.loss import (
     STD_EPS,
     LossConfig,
+    entropy_sum,
     group_advantages,
     kl_k3,
     policy_loss,
@@ -105,6 +106,13 @@ def test_token_logprobs_shift_by_one_and_zero_position_zero() -> None:
     assert got[0, 0] == 0.0
     assert got[0, 1] == pytest.approx(math.log(1 / 4))
     assert got[0, 2] == pytest.approx(math.log(1 / 2))
+
+
+def test_entropy_is_summed_over_loss_tokens_only() -> None:
+    logits = torch.zeros((1, 3, 4))  # position 0 predicts token 1: uniform, entropy log 4
+    logits[0, 1] = torch.tensor([0.0, 0.0, -1e9, -1e9])  # position 1 predicts token 2: two choices, log 2
+    assert entropy_sum(logits, t([0.0, 1.0, 1.0])) == pytest.approx(math.log(4) + math.log(2), rel=1e-5)
+    assert entropy_sum(logits, t([1.0, 0.0, 1.0])) == pytest.approx(math.log(2), rel=1e-5)
 
 
 def test_kl_k3_is_zero_on_agreement_and_matches_the_formula() -> None:
