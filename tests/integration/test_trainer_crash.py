@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,27 @@ def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "announcing complete checkpoint version=3" in proc.stderr
     check_history(r, keys, store, ids)
+
+
+def test_sigterm_stops_the_trainer_cleanly_with_exit_code_0(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    cfg = trainer_config(tmp_path, model_dir, redis_server.url, keys.prefix)
+    config = write_config_yaml(tmp_path / "cfg.yaml", cfg)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("DRESSAGE_FAULT", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.trainer", "--config", str(config)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while published_versions(redis_client, keys) != ["0"] and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        redis_client.xadd(keys.batches, batch_fields("b1"))  # type: ignore[arg-type]
+        while published_versions(redis_client, keys) != ["0", "1"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert int(redis_client.xpending(keys.batches, GROUP_TRAINER)["pending"]) == 0

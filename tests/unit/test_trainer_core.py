@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -186,3 +187,21 @@ def test_fault_spec_parses_points_and_counts() -> None:
         parse_faults("nowhere:1")
     with pytest.raises(ValueError, match="integer"):
         parse_faults("after_ack:x")
+
+
+# --- entry points ---
+
+
+def test_entry_points_refuse_a_bad_config_with_exit_code_2(tmp_path: Path) -> None:
+    from services.eval_worker.main import main as eval_main
+    from services.trainer.main import main as trainer_main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  clip_eps: -1\n")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # the mains install their own log handler
+    try:
+        assert trainer_main(["--config", str(bad)]) == 2
+        assert eval_main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    finally:
+        root.handlers[:], root.level = handlers, level
