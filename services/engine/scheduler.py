@@ -63,8 +63,9 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.admit_wait_s = admit_wait_s  # arrivals gather this long to share one prefill pass
         self.paused = False
+        # "requests": generation requests accepted (queued) since start, for exactly-once checks under load.
         self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0, "aborted": 0,
-                                        "swaps": 0, "busy_s": 0.0, "busy_cpu_s": 0.0}
+                                        "swaps": 0, "busy_s": 0.0, "busy_cpu_s": 0.0, "requests": 0}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -84,6 +85,7 @@ class Scheduler:
             if len(self._live) >= self.max_batch_size + self.max_queue:
                 raise EngineBusy(f"{len(self._live)} requests in the engine (max_queue={self.max_queue})")
             self._live.add(req.rid)
+            self.stats["requests"] += 1
         seq = Seq(req, on_done, budget)
         self._commands.put(lambda: self._waiting.append(seq))
 
