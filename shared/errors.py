@@ -37,3 +37,11 @@ class UnknownTask(DressageError):
 
 class ShutdownRequested(BaseException):
     """Raised to unwind a service loop on SIGTERM/SIGINT; never caught by ``except Exception``."""
+
+
+class RedisAuthFailed(DressageError):
+    """Redis refused the credentials (wrong/missing password, unknown or disabled ACL user): retrying cannot help."""
+
+
+class RedisUnavailable(DressageError):
+    """Redis did not answer within the time allowed at start."""

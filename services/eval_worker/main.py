@@ -7,8 +7,9 @@ import logging
 
 from services.eval_worker.worker import SERVICE, build_worker, run_worker
 from shared.config import load_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisAuthFailed
 from shared.logs import setup_logging
+from shared.retry import check_redis
 from shared.streams import consumer_name
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(SERVICE)
     try:
         cfg = load_config(args.config)
-    except ConfigError as exc:
+        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
+    except (ConfigError, RedisAuthFailed) as exc:
         log.error("cannot start: %s", exc)
         return 2
     worker = build_worker(cfg.redis.client(), cfg.keys(), cfg.eval.queue, consumer_name(SERVICE),

@@ -8,9 +8,10 @@ import logging
 from services.group_collector.collector import SERVICE, GroupCollector
 from services.group_collector.core import CollectorCore
 from shared.config import load_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisAuthFailed
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
+from shared.retry import check_redis
 from shared.staleness import StalenessGroupFilter, StalenessTracker, config_from_value
 from shared.streams import consumer_name
 from shared.telemetry import MetricGauges
@@ -26,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(SERVICE)
     try:
         cfg = load_config(args.config)
-    except ConfigError as exc:
+        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
+    except (ConfigError, RedisAuthFailed) as exc:
         log.error("cannot start: %s", exc)
         return 2
     tracker = StalenessTracker(config_from_value(cfg.staleness.keep_versions))

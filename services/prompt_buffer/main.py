@@ -9,9 +9,10 @@ from services.prompt_buffer.buffer import SERVICE, PromptBuffer
 from services.prompt_buffer.pacing import PacingPolicy, groups_per_version
 from services.prompt_buffer.schedule import Schedule
 from shared.config import load_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisAuthFailed
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
+from shared.retry import check_redis
 from shared.streams import consumer_name
 from shared.tasks.dataset import DatasetError, load_dataset
 from shared.telemetry import MetricGauges
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         rows = load_dataset(cfg.prompt_buffer.dataset)
-    except (ConfigError, DatasetError, OSError) as exc:
+        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
+    except (ConfigError, DatasetError, OSError, RedisAuthFailed) as exc:
         log.error("cannot start: %s", exc)
         return 2
     policy = PacingPolicy(cfg.pacing.max_versions_ahead,

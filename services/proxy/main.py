@@ -16,9 +16,10 @@ import uvicorn
 from services.proxy.app import build_app
 from services.proxy.runtime import ProxyRuntime
 from shared.config import load_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisAuthFailed
 from shared.logs import setup_logging
 from shared.modeling.loading import ModelNotFound, load_tokenizer
+from shared.retry import check_redis
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides={"proxy": overrides})
         tok_path = cfg.proxy.tokenizer_path or cfg.model.path
         tokenizer = load_tokenizer(tok_path)
-    except (ConfigError, ModelNotFound) as exc:
+        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
+    except (ConfigError, ModelNotFound, RedisAuthFailed) as exc:
         log.error("cannot start: %s", exc)
         return 2
     runtime = ProxyRuntime(cfg.proxy, tokenizer, redis_factory=cfg.redis.client, keys=cfg.keys(),

@@ -14,9 +14,10 @@ from services.rollout_worker.proxy_client import HttpProxyClient
 from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import SERVICE, RolloutWorker
 from shared.config import load_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisAuthFailed
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
+from shared.retry import check_redis
 from shared.streams import consumer_name
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         check_agent_command(cfg.rollout.agent_command)
-    except ConfigError as exc:
+        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
+    except (ConfigError, RedisAuthFailed) as exc:
         log.error("%s", exc)
         return 2
     consumer = args.consumer or consumer_name(SERVICE)

@@ -8,10 +8,11 @@ import logging
 from services.trainer.loop import SERVICE
 from services.trainer.startup import open_trainer
 from shared.config import load_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, RedisAuthFailed
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
 from shared.modeling import ModelNotFound
+from shared.retry import check_redis
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(SERVICE)
     try:
         cfg = load_config(args.config)
+        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
         trainer = open_trainer(cfg, cfg.redis.client(), StopFlag().install(), with_sinks=not args.burst)
-    except (ConfigError, ModelNotFound) as exc:
+    except (ConfigError, ModelNotFound, RedisAuthFailed) as exc:
         log.error("cannot start: %s", exc)
         return 2
     return trainer.run(burst=args.burst)
