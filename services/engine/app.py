@@ -150,8 +150,9 @@ def build_app(service: EngineService) -> FastAPI:
         return JSONResponse({"success": False, "message": str(exc)}, 400)
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> dict[str, Any]:
-        return await service.generate(body)
+    async def generate(body: GenerateBody) -> JSONResponse:
+        # Plain JSON types already: skip FastAPI's per-element jsonable_encoder pass.
+        return JSONResponse(await service.generate(body))
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody) -> dict[str, Any]:
