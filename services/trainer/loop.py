@@ -88,23 +88,28 @@ class TrainerLoop:
     # --- startup and re-sync ------------------------------------------------------------------
 
     def start(self) -> None:
+        """Idempotent: safe to call again after a Redis error half-way through."""
         ensure_group(self.r, self.keys.batches, GROUP_TRAINER)
-        if self.plan.write_initial:
-            self._publish(self._write_checkpoint(0, []))
-        elif self.plan.publish is not None:
-            log.info("announcing complete checkpoint version=%d that was never published", self.plan.publish.version)
-            self._publish(self.plan.publish)
+        if self.plan.write_initial and self.store.newest() is None:
+            self._write_checkpoint(0, [])  # the initial weights become version "0"
+        self._announce_newest()
         claimed = reclaim(self.r, self.keys.batches, GROUP_TRAINER, self.consumer, self.cfg.train.claim_idle_ms)
         if claimed:
             log.info("claimed %d pending batch entries of other consumers", len(claimed))
 
     def resync(self) -> None:
         """After a Redis error: announce the newest checkpoint if needed, re-read own pending."""
+        ensure_group(self.r, self.keys.batches, GROUP_TRAINER)
+        self._announce_newest()
+        self.reader.reset()
+
+    def _announce_newest(self) -> None:
+        """Publish the newest complete checkpoint if the version bus is behind it."""
         newest = self.store.newest()
         latest = read_latest(self.r, self.keys)
         if newest is not None and (latest is None or version_index(latest.version) < newest.version):
+            log.info("announcing complete checkpoint version=%d that was never published", newest.version)
             self._publish(newest)
-        self.reader.reset()
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -123,6 +128,11 @@ class TrainerLoop:
                 if not self._iterate(burst):
                     break
                 backoff = 0.1
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer group %s is gone (Redis lost its data?); re-creating it", GROUP_TRAINER)
+                self.resync()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("redis error (%s: %s); re-syncing in %.1fs", type(exc).__name__, exc, backoff)
                 self.stop.wait(backoff)
