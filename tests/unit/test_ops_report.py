@@ -89,3 +89,14 @@ def test_missing_run_dir_is_a_clear_error(tmp_path: Path, capsys: Any) -> None:
 def test_load_rows_skips_a_torn_last_line(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "m.jsonl", synthetic_rows()[:3])
     assert len(load_rows(tmp_path / "m.jsonl")) == 3
+
+
+def test_counters_never_incremented_count_as_zero_once_snapshots_exist() -> None:
+    rows = [{"service": "ops", "ts": 10.0, "stats/groups_produced": 4},
+            {"service": "ops", "ts": 15.0, "stats/groups_produced": 8, "stats/groups_reenqueued": 1}]
+    over = series.counters_over_time(rows)
+    assert over["groups_reenqueued"].y == [0.0, 1.0] and over["groups_reenqueued"].x == [0.0, 5.0]
+    assert over["groups_dead_lettered"].y == [0.0, 0.0]
+    assert series.counters_over_time([{"service": "trainer", "ts": 1.0}]) == {}
+    table = dict(series.summary(rows))
+    assert table["groups dead lettered"] == "0" and table["groups reenqueued"] == "1"

@@ -48,7 +48,7 @@ def test_plan_has_every_service_in_tiers_with_run_env(tmp_path: Path) -> None:
     assert env["DRESSAGE_ROLLOUT_PROXY_URL"] == "http://127.0.0.1:8811"
     assert json.loads(env["DRESSAGE_PROXY_ENGINES"]) == ["http://127.0.0.1:31000"]
     assert env["DRESSAGE_TRAIN_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
-    assert env["DRESSAGE_CONSUMER"].endswith("-rollout-worker-2") and env["DRESSAGE_REPLICA"] == "1"
+    assert env["DRESSAGE_CONSUMER"].endswith("-rollout-worker-2") and env["DRESSAGE_REPLICA"] == "9"  # port base+2+9 = base+11
     assert list(by["trainer"].argv) == ["/py", "-m", "services", "trainer", "--config", "configs/cpu-demo.yaml"]
     assert by["proxy"].log_path == tmp_path / "run" / "logs" / "proxy.log"
     # Every child's env is valid config for the services it overrides.
