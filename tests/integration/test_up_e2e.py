@@ -124,3 +124,13 @@ def test_sigterm_stops_every_service_cleanly(model_dir: Path, run_dir: Path) -> 
     assert not any(alive(pid) for pid in pids.values())
     for name in ("trainer", "group-collector", "prompt-buffer", "rollout-worker-1"):
         assert "signal 15 received" in (run_dir / "logs" / f"{name}.log").read_text(), name
+
+
+def test_a_service_dying_stops_the_run_with_its_name_exit_code_and_log(tmp_path: Path) -> None:
+    proc = start_up(tmp_path / "run", tmp_path / "no-such-model")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, output
+    assert re.search(r"run failed: engine exited before it was ready with exit code [1-9]", output), output
+    assert "--- last lines of engine" in output and "no-such-model" in output  # the engine's own error
+    assert not any(alive(pid) for pid in child_pids(output).values())
+    assert "proxy" not in child_pids(output)  # nothing after the engine was started
