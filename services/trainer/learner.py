@@ -2,9 +2,10 @@
 
 No Redis and no files here: the loop feeds decoded batches in and writes checkpoints out.
 
-One step: rows of every batch → micro-batches of ``train.micro_batch_size`` rows; each micro-batch
-runs forward + backward and its gradient accumulates; then the gradient norm is clipped and the
-optimizer steps once. Because the weights only change at that single ``optimizer.step()``, the
+One step: rows of every batch → micro-batches of at most ``train.micro_batch_size`` rows, and at
+least ``train.grad_accum`` of them; each micro-batch runs forward + backward and its gradient
+accumulates; then the gradient norm is clipped and the optimizer steps once. How a step is cut
+never changes its gradient (token-level mean over the whole step). Because the weights only change at that single ``optimizer.step()``, the
 logprobs every micro-batch computes are the current policy *before* the update: they give
 ``train/train_rollout_logprob_abs_diff`` (reference §6.3) and the proximal policy of TIS without a
 second forward pass. A step whose gradient is not finite is skipped (weights unchanged) and says so.
@@ -64,6 +65,10 @@ class Learner:
     def max_len(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
+    def micro_batch_rows(self, n_rows: int) -> int:
+        """Rows per forward: at most ``micro_batch_size``, and small enough for ``grad_accum`` chunks."""
+        return max(1, min(self.cfg.micro_batch_size, math.ceil(n_rows / self.cfg.grad_accum)))
+
     def validate(self, batch: Batch) -> None:
         """Raise ``InvalidBatch`` if this model cannot train on ``batch``."""
         validate_batch(batch, self.vocab_size, self.max_len)
@@ -83,7 +88,8 @@ class Learner:
         sums: dict[str, float] = defaultdict(float)
         loss_total = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for chunk in micro_batches(data.rows, self.cfg.micro_batch_size):
+        chunks = micro_batches(data.rows, self.micro_batch_rows(len(data.rows)))
+        for chunk in chunks:
             t = collate(chunk, self.pad_id, self.device)
             logits = self.model(input_ids=t.input_ids, attention_mask=t.attention_mask, use_cache=False).logits
             logp = token_logprobs(logits, t.input_ids)
@@ -119,6 +125,7 @@ class Learner:
             "train/reward_std": float(rewards.std(unbiased=False)),
             "train/groups": float(data.n_groups),
             "train/samples": float(len(data.rows)),
+            "train/micro_batches": float(len(chunks)),
             "train/tokens": float(data.tokens),
             "train/loss_tokens": float(n_tokens),
             "train/tokens_per_s": data.tokens / seconds,

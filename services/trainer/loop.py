@@ -77,7 +77,6 @@ class TrainerLoop:
         self.groups_trained = int(st.get("groups_trained", 0))
         self.recent_entries = RecentIds(list(st.get("recent_entry_ids", [])), limit)
         self.recent_batches = RecentIds(list(st.get("recent_batch_ids", [])), limit)
-        self.step_batches: list[Held] = []  # read, waiting for grad_accum batches
         self.unsaved: list[Held] = []  # trained, not yet in a checkpoint
         self.consumer = cfg.train.consumer
         self.reader = GroupReader(r, self.keys.batches, GROUP_TRAINER, self.consumer)
@@ -142,9 +141,9 @@ class TrainerLoop:
                         self.resync()
                     except (redis.ConnectionError, redis.TimeoutError):
                         continue
-        if self.unsaved or self.step_batches:
-            log.info("stopping with %d trained-but-unsaved and %d unread batches pending; they are retrained "
-                     "from version=%d after a restart", len(self.unsaved), len(self.step_batches), self.version)
+        if self.unsaved:
+            log.info("stopping with %d trained-but-unsaved batches pending; they are retrained from version=%d "
+                     "after a restart", len(self.unsaved), self.version)
         if self.sinks is not None:
             self.sinks.close()
         log.info("trainer stopped step=%d version=%d batches_trained=%d", self.learner.step, self.version,
@@ -159,15 +158,13 @@ class TrainerLoop:
         for entry in entries:
             batch = self._accept(entry)
             if batch is not None:
-                self.step_batches.append((entry.id.decode(), batch))
-                if len(self.step_batches) >= self.cfg.train.grad_accum:
-                    self._train_step()
+                self._train_step((entry.id.decode(), batch))
         return True
 
     def _accept(self, entry: Entry) -> Batch | None:
         """The batch to train, or None when the entry was dead-lettered, duplicate or already trained."""
         eid = entry.id.decode()
-        if any(eid == held for held, _ in self.unsaved + self.step_batches):
+        if any(eid == held for held, _ in self.unsaved):
             return None  # re-read after a reconnect while still in hand
         batch: Batch | None = None
         try:
@@ -187,8 +184,7 @@ class TrainerLoop:
                      batch.batch_id, eid)
             self._ack([(eid, batch)])
             return None
-        if batch.batch_id in self.recent_batches or any(batch.batch_id == b.batch_id for _, b in
-                                                         self.unsaved + self.step_batches):
+        if batch.batch_id in self.recent_batches or any(batch.batch_id == b.batch_id for _, b in self.unsaved):
             log.warning("duplicate batch_id=%s entry_id=%s discarded", batch.batch_id, eid)
             pipe = self.r.pipeline(transaction=True)
             pipe.xack(self.keys.batches, GROUP_TRAINER, eid)
@@ -214,20 +210,19 @@ class TrainerLoop:
 
     # --- one step -----------------------------------------------------------------------------
 
-    def _train_step(self) -> None:
-        held, self.step_batches = self.step_batches, []
-        batches = [b for _, b in held]
-        metrics: dict[str, Any] = self.learner.train_step(batches)
+    def _train_step(self, held: Held) -> None:
+        """One batch = one optimizer step (so pacing's groups per version stay groups_per_batch × interval)."""
+        eid, batch = held
+        metrics: dict[str, Any] = self.learner.train_step([batch])
         fault_point("after_step")
-        gap = version_gap(batches, max(self.version, 0))
-        self.unsaved.extend(held)
+        gap = version_gap([batch], max(self.version, 0))
+        self.unsaved.append(held)
         published = None
         if self.learner.step % self.cfg.train.update_weights_interval == 0:
             published = self._commit()
         metrics.update({"train/step": self.learner.step, "train/version": self.version,
-                        "train/batches": len(batches), "train/batch_groups": sum(len(b.groups) for b in batches),
-                        "train/published": int(published is not None),
-                        "train/batch_ids": ",".join(b.batch_id for b in batches)})
+                        "train/batch_groups": len(batch.groups), "train/published": int(published is not None),
+                        "train/batch_id": batch.batch_id})
         if gap is not None:
             metrics["train/version_gap_mean"], metrics["train/version_gap_max"] = gap
         if published is not None:
@@ -235,8 +230,8 @@ class TrainerLoop:
         report_metrics(self.r, self.keys, SERVICE, metrics, maxlen=self.cfg.ops.metrics_maxlen)
         if self.sinks is not None:
             self.sinks.emit(self.learner.step, metrics)
-        log.info("step=%d version=%d batch_id=%s loss=%.4f reward_mean=%.3f grad_norm=%.3f logprob_diff=%.4f",
-                 self.learner.step, self.version, metrics["train/batch_ids"], metrics["train/loss"],
+        log.info("step=%d version=%d batch_id=%s entry_id=%s loss=%.4f reward_mean=%.3f grad_norm=%.3f "
+                 "logprob_diff=%.4f", self.learner.step, self.version, batch.batch_id, eid, metrics["train/loss"],
                  metrics["train/reward_mean"], metrics["train/grad_norm"],
                  metrics["train/train_rollout_logprob_abs_diff"])
 

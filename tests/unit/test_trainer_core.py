@@ -128,6 +128,13 @@ def test_micro_batch_size_does_not_change_the_step() -> None:
     assert torch.allclose(params(a), params(b), atol=1e-6)
 
 
+def test_grad_accum_cuts_the_step_finer_without_changing_it() -> None:
+    a, b = tiny_learner(), tiny_learner(grad_accum=4)  # micro_batch_size 3 vs at least 4 chunks of 8 rows
+    ma, mb = a.train_step([batch("b1")]), b.train_step([batch("b1")])
+    assert (ma["train/micro_batches"], mb["train/micro_batches"]) == (3, 4)
+    assert torch.allclose(params(a), params(b), atol=1e-6)
+
+
 def test_learner_state_round_trips() -> None:
     a = tiny_learner(warmup_steps=5)
     a.train_step([batch("b1")])
