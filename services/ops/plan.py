@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from services.ops.supervisor import ProcessSpec
 from shared.config import DressageConfig
@@ -45,6 +46,13 @@ def run_prefix(base: str, run_name: str) -> str:
     """A Redis prefix private to one run, valid for ``redis.prefix`` (letters, digits, ``_.-``)."""
     clean = re.sub(r"[^A-Za-z0-9_.\-]", "-", run_name).strip("-") or "run"
     return f"{base}-{clean}"[:64]
+
+
+def public_url(url: str) -> str:
+    """A URL without credentials, safe to write to disk or print."""
+    parts = urlsplit(url)
+    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def http_ok(url: str, timeout: float = 1.0) -> Callable[[], bool]:

@@ -3,8 +3,9 @@
 Sections (docs/operations.md gives the redis-cli command behind each): VERSION, WINDOW, STREAMS,
 GROUPS (pending, lag, consumers with idle times), PIPELINE ({p}:stats counters and groups in
 flight), DEAD (by reason), THROUGHPUT ({p}:metrics over the last minute, and {p}:stats deltas
-between two refreshes), LIVENESS (heartbeat keys and their TTLs). ``render`` is pure: snapshot in,
-text out. Where to look: ``--redis-url``/``--prefix``, else ``--run DIR`` (its run.json), else
+between two refreshes), LIVENESS (heartbeat keys and their TTLs), ENGINES (HTTP /health and loaded
+weight version: the engine speaks SGLang's API and writes nothing to Redis). ``render`` is pure:
+snapshot in, text out. Where to look: ``--redis-url``/``--prefix``, else ``--run DIR`` (its run.json), else
 ``--config``/``REDIS_URL``, else the newest ``dressage up`` run (``runs/latest/run.json``).
 """
 
@@ -15,17 +16,44 @@ import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.ops import series
+from services.ops.plan import public_url
 from services.ops.snapshot import Snapshot, collect
 from shared.config import load_config
 from shared.errors import ConfigError
 from shared.keys import Keys
 
-SERVICES = ("engine", "proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker")
+# Services that write heartbeat keys. The engine speaks SGLang's API and never touches Redis: it
+# is probed over HTTP instead (ENGINES line: /health and /get_weight_version).
+SERVICES = ("proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker")
+
+
+def probe_engines(urls: Sequence[str], timeout: float = 1.0) -> list[tuple[str, str]]:
+    """(url, state) per engine: alive with its loaded weight version, or down."""
+    out: list[tuple[str, str]] = []
+    for url in urls:
+        base = url.rstrip("/")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=timeout):  # noqa: S310 - operator-given URL
+                pass
+        except (urllib.error.URLError, OSError, ValueError):
+            out.append((public_url(base), "DOWN (/health unreachable)"))
+            continue
+        version = "?"
+        try:
+            with urllib.request.urlopen(f"{base}/get_weight_version", timeout=timeout) as resp:  # noqa: S310
+                version = str(json.loads(resp.read()).get("weight_version", "?"))
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            pass
+        out.append((public_url(base), f"alive (weight_version {version})"))
+    return out
 
 
 def _ago(seconds: float | None) -> str:
@@ -65,7 +93,7 @@ def _throughput(s: Snapshot, previous: Snapshot | None) -> list[str]:
 
 
 def render(s: Snapshot, previous: Snapshot | None = None, expected: Sequence[str] = SERVICES,
-           where: str = "") -> str:
+           where: str = "", engines: Sequence[tuple[str, str]] = ()) -> str:
     out: list[str] = [f"dressage status  prefix={s.prefix}  {where}  "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.taken_at))}"]
     if s.latest:
@@ -112,11 +140,22 @@ def render(s: Snapshot, previous: Snapshot | None = None, expected: Sequence[str
     for name in expected:
         if name not in seen:
             out.append(f"            {name:<16} {'-':<29} DOWN (no heartbeat key)")
+    for url, state in engines:
+        out.append(f"ENGINES     {url:<46} {state}" if url == engines[0][0] else f"            {url:<46} {state}")
     return "\n".join(out)
 
 
-def resolve_target(args: argparse.Namespace) -> tuple[str, str, str | None, list[str]]:
-    """(redis url, prefix, password, expected services) from the flags, a run dir, or a config."""
+@dataclass(frozen=True)
+class Target:
+    url: str
+    prefix: str
+    password: str | None
+    expected: list[str]  # services that should have a heartbeat key
+    engines: list[str]  # engine base URLs to probe over HTTP
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """Where to look, from the flags, a run dir (run.json), or a config (+ env)."""
     cfg = load_config(args.config)
     expected = [s for s in SERVICES if s != "eval-worker" or cfg.eval.every_versions > 0]
     pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
@@ -128,9 +167,11 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str, str | None, list
         run_json = candidate if candidate.exists() else None
     if run_json is not None:
         info = json.loads(run_json.read_text())
-        return (args.redis_url or info["redis_url"], args.prefix or info["prefix"], pw,
-                info.get("services", expected))
-    return args.redis_url or cfg.redis.url, args.prefix or cfg.redis.prefix, pw, expected
+        services = [s for s in info.get("services", expected) if s in SERVICES]
+        return Target(args.redis_url or info["redis_url"], args.prefix or info["prefix"], pw, services,
+                      list(info.get("engines", [])))
+    return Target(args.redis_url or cfg.redis.url, args.prefix or cfg.redis.prefix, pw, expected,
+                  list(cfg.proxy.engines))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,18 +190,18 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        url, prefix, pw, expected = resolve_target(args)
+        t = resolve_target(args)
     except (ConfigError, OSError, ValueError, KeyError) as exc:
         sys.stderr.write(f"dressage status: {exc}\n")
         return 2
-    r: Any = redis.Redis.from_url(url, password=pw, socket_connect_timeout=5, socket_timeout=10)
-    keys = Keys(prefix)
-    where = f"redis={url.split('@')[-1]}"  # never print a password from the URL
+    r: Any = redis.Redis.from_url(t.url, password=t.password, socket_connect_timeout=5, socket_timeout=10)
+    keys = Keys(t.prefix)
+    where = f"redis={public_url(t.url)}"  # never print a password from the URL
     previous: Snapshot | None = None
     try:
         while True:
             snap = collect(r, keys)
-            screen = render(snap, previous, expected, where)
+            screen = render(snap, previous, t.expected, where, probe_engines(t.engines))
             if args.watch and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")
             sys.stdout.write(screen + "\n")

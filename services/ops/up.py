@@ -4,7 +4,8 @@ Wiring only: config -> (``--demo``: data + tiny model) -> Redis (``REDIS_URL`` o
 process plan -> supervisor loop with a progress tick -> metrics.jsonl + report. Everything of a run
 lives in ``runs/<name>/``: ``logs/<service>.log``, ``checkpoints/``, ``redis/`` (private Redis data),
 ``metrics.jsonl``, ``report/``, and ``run.json`` (Redis URL without credentials + prefix, read by
-``dressage status``). The run ends when the trainer exits 0 after ``train.max_steps`` (success), on
+``dressage status``). The run ends when the trainer exits 0 after ``train.max_steps`` (success: the
+workers stop first and the last evaluation is awaited, bounded), on
 Ctrl-C/SIGTERM (clean stop), or when a service dies (failure naming it, unless ``--restart``).
 Exit code: 0 finished or stopped, 1 a service failed, 2 bad configuration.
 """
@@ -21,10 +22,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from services.ops.metricslog import MetricsLog
-from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, run_prefix
+from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, public_url, run_prefix
 from services.ops.progress import Progress
 from services.ops.redisboot import NoRedisAvailable, resolve_redis
 from services.ops.supervisor import RestartPolicy, RunResult, Supervisor, tail_lines
@@ -67,14 +67,6 @@ def port_or_free(host: str, port: int) -> int:
     return free
 
 
-def public_url(url: str) -> str:
-    """A Redis URL without credentials, safe to write to disk or print."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
 def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
     """Generated datasets and the tiny warm-started model, built only when missing."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -115,7 +107,8 @@ def wait_final_eval(progress: Progress, every: int, timeout_s: float, stopped: C
 def write_run_info(run_dir: Path, cfg: DressageConfig, choices: RunChoices, services: list[str]) -> None:
     info = {"redis_url": public_url(choices.redis_url), "prefix": choices.prefix, "config": choices.config_path,
             "run_dir": str(run_dir), "started_at": time.time(), "pid": os.getpid(), "services": services,
-            "engine_port": choices.engine_port, "proxy_port": choices.proxy_port}
+            "engine_port": choices.engine_port, "proxy_port": choices.proxy_port,
+            "engines": [f"http://{cfg.engine.host}:{choices.engine_port}"]}
     (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     runs = Path(cfg.ops.run_dir)
     if run_dir.resolve().parent == runs.resolve():

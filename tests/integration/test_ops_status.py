@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
+import threading
 import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import redis
@@ -76,8 +81,35 @@ def test_render_shows_every_section(redis_client: redis.Redis, keys: Keys) -> No
     assert "stale dropped 2" in lines["DROPS"] and "re-enqueued 3" in lines["DROPS"]
     assert lines["DEAD"].split(None, 1)[1] == "malformed 2, retries_exhausted 1"
     assert "trainer 6.00 steps/min" in lines["THROUGHPUT"]  # 2 steps over 20 s
-    assert "worker-a (2," in screen and "engine" in screen and "DOWN (no heartbeat key)" in screen
-    assert "trainer          trainer" in screen and "alive" in screen
+    assert "worker-a (2," in screen and "DOWN (no heartbeat key)" in screen
+    assert re.search(r"proxy\s+-\s+DOWN", screen) and re.search(r"trainer\s+trainer\s+alive", screen)
+
+
+def test_engines_are_probed_over_http() -> None:
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            body = {"/health": b"{}", "/get_weight_version": b'{"weight_version": "7"}'}.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        up = f"http://127.0.0.1:{server.server_port}"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            down = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
+            probed = status.probe_engines([up, down], timeout=2)
+    finally:
+        server.shutdown()
+    assert probed == [(up, "alive (weight_version 7)"), (down, "DOWN (/health unreachable)")]
+    screen = status.render(snapshot.Snapshot("p", time.time(), {}, [], None, 0, None, {}, {}, Counter(), [], []),
+                           engines=probed)
+    assert f"ENGINES     {up}" in screen and "weight_version 7" in screen
 
 
 def test_stats_delta_between_refreshes(redis_client: redis.Redis, keys: Keys) -> None:

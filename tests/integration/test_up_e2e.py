@@ -80,6 +80,7 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
         screen = capsys.readouterr().out
         assert re.search(r"VERSION\s+current \d+", screen), screen
         assert re.search(r"trainer\s+\S+\s+alive", screen) and re.search(r"rollout-worker\s+\S+\s+alive", screen)
+        assert re.search(r"ENGINES\s+http://127\.0\.0\.1:\d+\s+alive \(weight_version \d+\)", screen), screen
         output, _ = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:

@@ -15,9 +15,9 @@ import redis
 
 from services.ops import health, redisboot
 from services.ops.metricslog import MetricsLog, load_rows
-from services.ops.plan import RunChoices, build_plan, run_prefix
+from services.ops.plan import RunChoices, build_plan, public_url, run_prefix
 from services.ops.progress import Progress, progress_line
-from services.ops.up import port_or_free, public_url
+from services.ops.up import port_or_free
 from shared.config import load_config
 from shared.keys import Keys
 from shared.telemetry import heartbeat, report_metrics
