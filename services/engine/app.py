@@ -109,6 +109,9 @@ class EngineService:
             state = await asyncio.to_thread(read_checkpoint, body.model_path)
             await asyncio.to_thread(check_state, self.scheduler.runner.model, state)
             version = body.weight_version or self.scheduler.weight_version
+            if body.weight_version is None:  # SGLang keeps the label too, but tokens get mislabelled
+                log.warning("weight update without weight_version: new weights keep version=%s path=%s",
+                            version, body.model_path)
             n = await asyncio.wrap_future(
                 self.scheduler.swap_weights(state, version, body.model_path, body.abort_all_requests))
         return {"success": True, "message": f"weights of {body.model_path} loaded as version {version}",

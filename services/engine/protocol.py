@@ -12,7 +12,11 @@ Response of ``/generate`` (SGLang's shape plus one extension)::
 
 ``output_token_versions`` (extension) is the weight version that produced each output token;
 ``weight_version`` is the version of the last token. Logprob entries are
-``[logprob, token_id, text | null]`` (text only with ``return_text_in_logprobs``).
+``[logprob, token_id, text | null]`` (text only with ``return_text_in_logprobs``). Output
+logprobs are ``log_softmax(logits / temperature)`` of the sampled token (top-k/top-p truncation
+not renormalised in; greedy rows use temperature 1), so at temperature 1 they are the plain
+log-softmax a trainer recomputes; prompt logprobs (``logprob_start_len >= 0``) always use
+temperature 1. See `sampling.py`.
 """
 
 from __future__ import annotations
