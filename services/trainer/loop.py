@@ -107,7 +107,7 @@ class TrainerLoop:
         newest = self.store.newest()
         latest = read_latest(self.r, self.keys)
         if newest is not None and (latest is None or version_index(latest.version) < newest.version):
-            log.info("announcing complete checkpoint version=%d that was never published", newest.version)
+            log.info("announcing complete checkpoint version=%d (the version bus is behind it)", newest.version)
             self._publish(newest)
 
     # --- the loop -----------------------------------------------------------------------------
