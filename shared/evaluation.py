@@ -12,6 +12,8 @@ Contract:
   report to ``{p}:metrics`` (service ``eval``): ``eval/accuracy``, ``eval/reward``,
   ``eval/version``, ``eval/step``, ``eval/n``. It returns the same dict (rq keeps it as the result).
   Job ids are ``<prefix>-eval-v<version>``, so a version is never queued twice at once.
+* A queued version's checkpoint is pinned in the set ``{p}:eval:pinned`` until its job ends
+  (success or failure), so the trainer's pruning never deletes a checkpoint an evaluation still needs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def enqueue_eval(r: redis.Redis, queue: str, checkpoint_path: str, version: str,
                  dataset: str, n_examples: int, prefix: str, batch_size: int = 64,
                  device: str = "cpu", timeout_s: int = 1800) -> str:
     """Queue the evaluation of one version; returns the rq job id."""
+    r.sadd(pinned_key(prefix), str(checkpoint_path))
     kwargs = {"checkpoint_path": str(checkpoint_path), "version": str(version), "step": int(step),
               "dataset": str(dataset), "n_examples": int(n_examples), "prefix": str(prefix),
               "batch_size": int(batch_size), "device": str(device)}
@@ -56,6 +59,15 @@ def enqueue_eval(r: redis.Redis, queue: str, checkpoint_path: str, version: str,
                                             failure_ttl=7 * 86_400, description=f"eval version={version}")
     log.info("queued evaluation version=%s step=%d job_id=%s", version, step, job.id)
     return str(job.id)
+
+
+def pinned_key(prefix: str) -> str:
+    return Keys(prefix).custom("eval", "pinned")
+
+
+def pinned_checkpoints(r: redis.Redis, prefix: str) -> list[str]:
+    """Checkpoint paths with an evaluation queued or running (never pruned)."""
+    return [p.decode() if isinstance(p, bytes) else str(p) for p in r.smembers(pinned_key(prefix))]
 
 
 def _connection() -> redis.Redis:
@@ -86,12 +98,21 @@ def run_eval_job(checkpoint_path: str, version: str, step: int, dataset: str, n_
                  prefix: str, batch_size: int = 64, device: str = "cpu",
                  r: redis.Redis | None = None) -> dict[str, Any]:
     """Score one checkpoint on the held-out split and report it to ``{p}:metrics`` (service eval)."""
+    conn = r if r is not None else _connection()
+    try:
+        return _score_and_report(conn, checkpoint_path, version, step, dataset, n_examples, prefix, batch_size,
+                                 device)
+    finally:
+        conn.srem(pinned_key(prefix), str(checkpoint_path))
+
+
+def _score_and_report(conn: redis.Redis, checkpoint_path: str, version: str, step: int, dataset: str,
+                      n_examples: int, prefix: str, batch_size: int, device: str) -> dict[str, Any]:
     import torch
 
     from shared.modeling import load_model, load_tokenizer
     from shared.tasks import load_dataset
 
-    conn = r if r is not None else _connection()
     rows = load_dataset(dataset)[:n_examples]
     if not rows:
         raise ValueError(f"eval.dataset {dataset}: no rows to evaluate")

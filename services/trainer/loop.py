@@ -35,7 +35,7 @@ from services.trainer.sinks import MetricSinks
 from shared.codec import decode_entry, entry_ids
 from shared.config import DressageConfig
 from shared.errors import MalformedEntry
-from shared.evaluation import enqueue_eval
+from shared.evaluation import enqueue_eval, pinned_checkpoints
 from shared.keys import GROUP_TRAINER
 from shared.lifecycle import StopFlag
 from shared.schemas import Batch, WeightVersion
@@ -289,7 +289,11 @@ class TrainerLoop:
         wv = WeightVersion(version=str(info.version), path=str(info.path.resolve()), step=info.step,
                            published_at=time.time())
         publish_version(self.r, self.keys, wv)
-        self.store.prune(self.cfg.train.keep_checkpoints, referenced=[info.path])
+        try:
+            pinned = pinned_checkpoints(self.r, self.keys.prefix)  # evaluations still to run on them
+        except redis.RedisError:
+            pinned = [str(p.path) for p in self.store.complete()]  # unknown: prune nothing this time
+        self.store.prune(self.cfg.train.keep_checkpoints, referenced=[info.path, *pinned])
         every = self.cfg.eval.every_versions
         if every and info.version % every == 0:
             self._enqueue_eval(wv)
