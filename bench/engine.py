@@ -9,6 +9,11 @@ load from other processes on a shared machine hits both sides alike. At C = 32 t
 weight swap (`/update_weights_from_disk`) during the run; the tokens of aborted requests count as
 generated. Target: ratio >= 0.8 at C = 32.
 
+Columns: ``ratio`` = engine / generate tokens per wall second; ``per-CPU-s ratio`` = the same per
+CPU second (the engine process's CPU time against this process's during generate), which a
+machine shared with other work distorts less; ``core ratio`` = the scheduler alone, in process,
+without HTTP, aborts or swaps (what the HTTP layer and arrival spread cost is the difference).
+
     python bench/engine.py [--threads 1] [--new-tokens 128] [--prompt-len 32] [--hidden 96 --layers 2]
 """
 
@@ -34,6 +39,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from services.engine.requests import GenRequest, GenResult  # noqa: E402
+from services.engine.runner import ModelRunner  # noqa: E402
+from services.engine.sampling import SamplingSpec  # noqa: E402
+from services.engine.scheduler import Scheduler  # noqa: E402
 from shared.modeling import ModelSpec, build_model_dir, load_model  # noqa: E402
 
 ROUNDS = 2
@@ -63,6 +72,30 @@ def bench_generate(model: Any, c: int, args: argparse.Namespace, vocab: int) -> 
                                  top_p=1.0, pad_token_id=0)
         tokens += (out.shape[1] - ids.shape[1]) * c
     return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
+
+
+def bench_core(model: Any, c: int, args: argparse.Namespace, vocab: int) -> float:
+    """The batching core alone (no HTTP, no aborts/swaps): the same closed loop, in process."""
+    sched = Scheduler(ModelRunner(model), max_batch_size=32, admit_wait_s=0.0)
+    rounds = [prompts(c, args.prompt_len, vocab, seed=r) for r in range(ROUNDS)]
+    made = [0]
+
+    def submit(i: int, r: int) -> None:
+        sampling = SamplingSpec(temperature=1.0, seed=1000 * r + i)
+        req = GenRequest(rid=f"{r}-{i}", input_ids=rounds[r][i], max_new_tokens=args.new_tokens, sampling=sampling)
+        sched.submit(req, lambda res: done(res, i, r))
+
+    def done(res: GenResult, i: int, r: int) -> None:
+        made[0] += len(res.output_ids)
+        if r + 1 < ROUNDS:
+            submit(i, r + 1)
+
+    t0 = time.perf_counter()
+    for i in range(c):
+        submit(i, 0)
+    while sched.step():
+        pass
+    return made[0] / (time.perf_counter() - t0)
 
 
 class Disturber(threading.Thread):
@@ -136,16 +169,18 @@ async def bench_level(url: str, c: int, args: argparse.Namespace, vocab: int, mo
         # Open the C keep-alive connections first, as a proxy holding them would have.
         warm = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
         await asyncio.gather(*(client.post("/generate", json=warm) for _ in range(c)))
-        gens, engs = [], []
+        gens, engs, cores = [], [], []
         for _ in range(args.repeats):
             gens.append(bench_generate(model, c, args, vocab))
             *eng, extra = await bench_engine(client, c, args, vocab, swap_path, server)
             engs.append(tuple(eng))
-    (gen, gen_cpu), (eng, eng_cpu) = max(gens), max(engs)
+            cores.append(bench_core(model, c, args, vocab))
+    (gen, gen_cpu), (eng, eng_cpu), core = max(gens), max(engs), max(cores)
     notes = f"finish={extra['finish']}"
     if "aborted" in extra:
         notes += f" aborted={extra['aborted']} swapped={extra['swapped']} versions_in_run={len(extra['versions'])}"
-    return f"{c:>3} {gen:>15.0f} {eng:>13.0f} {eng / gen:>6.2f} {eng_cpu / gen_cpu:>16.2f}  {notes}"
+    return (f"{c:>3} {gen:>15.0f} {eng:>13.0f} {eng / gen:>6.2f} {eng_cpu / gen_cpu:>16.2f} "
+            f"{core / gen:>11.2f}  {notes}")
 
 
 def start_engine(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -191,11 +226,14 @@ def main() -> int:
         proc, url = start_engine(model_dir, args.threads)
         print(f"model: hidden={args.hidden} layers={args.layers} vocab={vocab}; prompt {args.prompt_len} tokens, "
               f"{args.new_tokens} new tokens, {ROUNDS} rounds, torch threads {args.threads}")
-        print(f"{'C':>3} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} {'per-CPU-s ratio':>16}  notes")
+        print(f"{'C':>3} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} {'per-CPU-s ratio':>16} "
+              f"{'core ratio':>11}  notes")
         server = psutil.Process(proc.pid)
         try:
             bench_generate(model, 1, args, vocab)  # warm-up (allocator, kernels)
             for c in args.concurrency:
+                if c >= 32:  # the same load once undisturbed, for comparison
+                    print(asyncio.run(bench_level(url, c, args, vocab, model, None, server)) + " (no aborts/swap)")
                 swap = swap_dir if c >= 32 else None
                 print(asyncio.run(bench_level(url, c, args, vocab, model, swap, server)), flush=True)
         finally:
