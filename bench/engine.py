@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,33 +98,58 @@ def bench_core(model: Any, c: int, args: argparse.Namespace, vocab: int) -> floa
     return made[0] / (time.perf_counter() - t0)
 
 
-class Disturber(threading.Thread):
-    """At C = 32: abort ABORTS requests after ~25% of the tokens, swap weights after ~50%."""
+class RawClient:
+    """Minimal HTTP/1.1 keep-alive JSON client on asyncio streams.
 
-    def __init__(self, url: str, rids: list[str], total: int, swap_path: Path) -> None:
-        super().__init__(daemon=True)
-        self.url, self.rids, self.total, self.swap_path = url, rids, total, swap_path
-        self.aborted = 0
-        self.swapped = False
-        self.done = threading.Event()
+    httpx costs milliseconds of CPU per request on a busy 2-core machine, enough to spread 32
+    "simultaneous" requests over ~100 decode steps; this load generator keeps that cost out of
+    the measurement (the proxy holds keep-alive connections the same way).
+    """
 
-    def run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=60) as c:
-            start = c.get("/get_server_info").json()["generated_tokens"]
-            while not self.done.is_set():
-                made = c.get("/get_server_info").json()["generated_tokens"] - start
-                if not self.aborted and made >= self.total // 4:
-                    self.aborted = sum(c.post("/abort_request", json={"rid": r}).json()["aborted"] for r in self.rids)
-                if not self.swapped and made >= self.total // 2:
-                    r = c.post("/update_weights_from_disk", json={"model_path": str(self.swap_path),
-                                                                 "weight_version": f"bench-{time.time_ns()}"})
-                    self.swapped = r.status_code == 200
-                if self.aborted and self.swapped:
-                    return
-                time.sleep(0.05)
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> dict[str, Any]:
+        if self._streams is None:
+            self._streams = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._streams
+        data = json.dumps(body).encode() if body is not None else b""
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        payload = json.loads(await reader.readexactly(length))
+        if status != 200:
+            raise RuntimeError(f"{method} {path} -> {status}: {payload}")
+        return dict(payload)
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
 
 
-async def bench_engine(client: httpx.AsyncClient, c: int, args: argparse.Namespace, vocab: int,
+async def disturb(client: RawClient, rids: list[str], total: int, swap_path: Path, notes: dict[str, Any]) -> None:
+    """At C = 32: abort the requests `rids` after ~25% of `total` tokens, swap weights after ~50%."""
+    async def made() -> int:
+        return int((await client.post("/get_server_info", method="GET"))["generated_tokens"])
+
+    start = await made()
+    notes["aborted"], notes["swapped"] = 0, False
+    while not (notes["aborted"] and notes["swapped"]):
+        n = await made() - start
+        if not notes["aborted"] and n >= total // 4:
+            for rid in rids:
+                notes["aborted"] += (await client.post("/abort_request", {"rid": rid}))["aborted"]
+        if not notes["swapped"] and n >= total // 2:
+            body = {"model_path": str(swap_path), "weight_version": f"bench-{time.time_ns()}"}
+            notes["swapped"] = (await client.post("/update_weights_from_disk", body))["success"]
+        await asyncio.sleep(0.05)
+
+
+async def bench_engine(clients: list[RawClient], control: RawClient, c: int, args: argparse.Namespace, vocab: int,
                        swap_path: Path | None, server: psutil.Process) -> tuple[float, float, dict[str, Any]]:
     """(tokens per wall second, tokens per CPU second of the engine process, notes)."""
     extra: dict[str, Any] = {"finish": {}, "versions": set()}
@@ -133,15 +158,12 @@ async def bench_engine(client: httpx.AsyncClient, c: int, args: argparse.Namespa
                 "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True,
                                     "sampling_seed": 1000 * r + i}}
                for i, ids in enumerate(prompts(c, args.prompt_len, vocab, seed=r))] for r in range(ROUNDS)]
-    disturber = None
-    if swap_path is not None:
-        rids = [str(b["rid"]) for b in bodies[0][:ABORTS]]
-        disturber = Disturber(str(client.base_url), rids, c * ROUNDS * args.new_tokens, swap_path)
+    disturber: asyncio.Task[None] | None = None
 
     async def worker(i: int) -> int:
         made = 0
         for r in range(ROUNDS):
-            meta = (await client.post("/generate", json=bodies[r][i])).json()["meta_info"]
+            meta = (await clients[i].post("/generate", bodies[r][i]))["meta_info"]
             kind = meta["finish_reason"]["type"]
             extra["finish"][kind] = extra["finish"].get(kind, 0) + 1
             extra["versions"].update(meta["output_token_versions"])
@@ -149,14 +171,13 @@ async def bench_engine(client: httpx.AsyncClient, c: int, args: argparse.Namespa
         return made
 
     t0, cpu0 = time.perf_counter(), server.cpu_times()
-    if disturber is not None:
-        disturber.start()
+    if swap_path is not None:
+        rids = [str(b["rid"]) for b in bodies[0][:ABORTS]]
+        disturber = asyncio.create_task(disturb(control, rids, c * ROUNDS * args.new_tokens, swap_path, extra))
     made = await asyncio.gather(*(worker(i) for i in range(c)))
     elapsed, cpu1 = time.perf_counter() - t0, server.cpu_times()
     if disturber is not None:
-        disturber.done.set()
-        disturber.join(5)
-        extra["aborted"], extra["swapped"] = disturber.aborted, disturber.swapped
+        disturber.cancel()
     cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
     return sum(made) / elapsed, sum(made) / max(cpu, 1e-9), extra
 
@@ -164,17 +185,20 @@ async def bench_engine(client: httpx.AsyncClient, c: int, args: argparse.Namespa
 async def bench_level(url: str, c: int, args: argparse.Namespace, vocab: int, model: Any,
                       swap_path: Path | None, server: psutil.Process) -> str:
     """One table row: generate and engine alternate `repeats` times; best of each."""
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        # Open the C keep-alive connections first, as a proxy holding them would have.
-        warm = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
-        await asyncio.gather(*(client.post("/generate", json=warm) for _ in range(c)))
-        gens, engs, cores = [], [], []
-        for _ in range(args.repeats):
-            gens.append(bench_generate(model, c, args, vocab))
-            *eng, extra = await bench_engine(client, c, args, vocab, swap_path, server)
-            engs.append(tuple(eng))
-            cores.append(bench_core(model, c, args, vocab))
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    clients = [RawClient(host, int(port)) for _ in range(c)]
+    control = RawClient(host, int(port))  # aborts, weight swap, progress polls
+    # Open the C keep-alive connections first, as a proxy holding them would have.
+    warm = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}}
+    await asyncio.gather(*(cl.post("/generate", warm) for cl in clients))
+    gens, engs, cores = [], [], []
+    for _ in range(args.repeats):
+        gens.append(bench_generate(model, c, args, vocab))
+        *eng, extra = await bench_engine(clients, control, c, args, vocab, swap_path, server)
+        engs.append(tuple(eng))
+        cores.append(bench_core(model, c, args, vocab))
+    for cl in [*clients, control]:
+        cl.close()
     (gen, gen_cpu), (eng, eng_cpu), core = max(gens), max(engs), max(cores)
     notes = f"finish={extra['finish']}"
     if "aborted" in extra:
