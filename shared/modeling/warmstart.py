@@ -7,7 +7,8 @@ Contract:
   tasks) and reports the mean reward and the exact-match accuracy (`Episode.correct()`).
 * `warm_start_model` trains in place for at most `steps` optimiser steps and stops early once
   the greedy accuracy on the held-out rows reaches `target_accuracy`. It is deterministic for a
-  given seed on one machine, and leaves the caller's global RNG state untouched.
+  given seed on one machine, and leaves the caller's global RNG state untouched. Checks run
+  every `eval_every * task.max_turns` steps (and after the last step).
 
 The point of the warm start is a *partial* skill: RL needs rewards that vary inside a GRPO group,
 so the default stops long before the task is solved.
@@ -56,19 +57,46 @@ class WarmStartReport:
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy accuracy)
 
 
+def _turn_example(tokenizer: PreTrainedTokenizerBase, messages: list[Any], reply: str, eos: int) -> Example:
+    prompt_ids = chat_input_ids(tokenizer, messages, add_generation_prompt=True)
+    reply_ids = [int(i) for i in tokenizer.encode(reply, add_special_tokens=False)] + [eos]
+    return Example(prompt_ids + reply_ids, [0] * len(prompt_ids) + [1] * len(reply_ids))
+
+
+def _merge_turns(turns: list[Example]) -> list[Example]:
+    """Fold the turns of one episode into one sequence when each turn extends the previous one.
+
+    With ChatML, turn k+1's prompt starts with turn k's prompt + reply, so one sequence carrying
+    loss on every reply trains the same tokens as N separate ones at a fraction of the compute.
+    Turns that do not extend their predecessor (a template that rewrites history) stay separate.
+    """
+    merged: list[Example] = []
+    for ex in turns:
+        last = merged[-1] if merged else None
+        if last is not None and ex.input_ids[: len(last.input_ids)] == last.input_ids:
+            merged[-1] = Example(ex.input_ids, last.loss_mask + ex.loss_mask[len(last.loss_mask) :])
+        else:
+            merged.append(ex)
+    return merged
+
+
 def demonstration_examples(
     task: Task, rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
 ) -> list[Example]:
-    """One example per demonstrated turn of each row (loss on that turn's reply + eos)."""
+    """Training sequences for `rows`: loss on every demonstrated reply + eos, never on context.
+
+    A multi-turn demonstration becomes one sequence when the chat template allows it.
+    """
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("tokenizer has no eos_token_id; cannot mark the end of a reply")
     examples: list[Example] = []
     for row in rows:
-        for messages, reply in task.demonstration(row["prompt"], row["reference"]):
-            prompt_ids = chat_input_ids(tokenizer, messages, add_generation_prompt=True)
-            reply_ids = [int(i) for i in tokenizer.encode(reply, add_special_tokens=False)] + [int(eos)]
-            examples.append(Example(prompt_ids + reply_ids, [0] * len(prompt_ids) + [1] * len(reply_ids)))
+        turns = [
+            _turn_example(tokenizer, list(messages), reply, int(eos))
+            for messages, reply in task.demonstration(row["prompt"], row["reference"])
+        ]
+        examples.extend(_merge_turns(turns))
     return examples
 
 
@@ -171,6 +199,9 @@ def warm_start_model(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, min(20, steps // 10))
     report = WarmStartReport(steps=0, seconds=0.0, final_loss=float("nan"), stopped_early=False)
+    # An evaluation plays every turn of every held-out episode: space checks by the turn count so
+    # multi-turn tasks do not spend most of the time evaluating (deterministic, unlike a timer).
+    check_every = max(1, eval_every * max(1, int(getattr(task, "max_turns", 1))))
     t0 = time.perf_counter()
     model.train()
     order = torch.randperm(len(examples), generator=gen).tolist() if examples else []
@@ -188,7 +219,7 @@ def warm_start_model(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         report.steps, report.final_loss = step, float(loss.detach())
-        if target_accuracy is not None and (step % eval_every == 0 or step == steps):
+        if target_accuracy is not None and (step % check_every == 0 or step == steps):
             acc = evaluate(model, tokenizer, task, heldout_rows, greedy=True).accuracy
             report.history.append((step, acc))
             log.info(
@@ -201,7 +232,7 @@ def warm_start_model(
             if acc >= target_accuracy:
                 report.stopped_early = step < steps
                 break
-        elif step % eval_every == 0:
+        elif step % check_every == 0:
             log.info("warm start task=%s step=%d loss=%.4f", task.name, step, report.final_loss)
     model.eval()
     report.seconds = time.perf_counter() - t0

@@ -44,11 +44,14 @@ def test_demonstration_loss_mask_covers_exactly_the_reply_and_eos() -> None:
     assert ex.loss_mask == sorted(ex.loss_mask)  # prompt first, reply last
 
 
-def test_multi_turn_task_yields_one_example_per_demonstrated_turn() -> None:
+def test_multi_turn_demonstration_becomes_one_sequence_with_loss_on_every_reply() -> None:
     tok, task = build_tokenizer(), get_task("guess")
     row = task.generate(1, seed=4)[0]
     turns = task.demonstration(row["prompt"], row["reference"])
-    assert len(demonstration_examples(task, [row], tok)) == len(turns)
+    (ex,) = demonstration_examples(task, [row], tok)
+    loss_text = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m])
+    assert loss_text == "".join(f"{reply}<|im_end|>" for _, reply in turns)
+    assert tok.decode(ex.input_ids).startswith("<|im_start|>user\n" + row["prompt"])
 
 
 def test_warm_start_improves_reward_over_random_init() -> None:
