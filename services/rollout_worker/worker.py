@@ -223,8 +223,21 @@ class RolloutWorker:
             await self._process(entry)
         except redis.RedisError as exc:
             await self._backoff(f"commit of entry_id={entry.id.decode()}", exc)
+        except Exception as exc:  # last-resort poison guard: an entry that breaks processing never loops
+            log.exception("unprocessable entry entry_id=%s ids=%s", entry.id.decode(), entry_ids(entry.fields))
+            await self._unprocessable(entry, f"unprocessable: {type(exc).__name__}: {exc}")
         finally:
             self._active.discard(entry.id)
+
+    async def _unprocessable(self, entry: Entry, error: str) -> None:
+        """Dead-letter (reason ``malformed``, original bytes) an entry whose processing raised, if still ours."""
+        try:
+            if await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
+                await asyncio.to_thread(commit_poison, self.r, self.keys, entry.id, entry.fields, error)
+                self.counts["poison"] += 1
+                prom.POISON.inc()
+        except redis.RedisError as exc:
+            await self._backoff(f"dead letter of entry_id={entry.id.decode()}", exc)
 
     # -- the loop --------------------------------------------------------------------------------
 
