@@ -113,6 +113,14 @@ class RawClient:
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> dict[str, Any]:
+        try:
+            return await self._request(method, path, body)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            # The server closed an idle keep-alive connection (uvicorn: after 5 s); reconnect once.
+            self.close()
+            return await self._request(method, path, body)
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         if self._streams is None:
             self._streams = await asyncio.open_connection(self.host, self.port)
         reader, writer = self._streams
@@ -131,6 +139,7 @@ class RawClient:
     def close(self) -> None:
         if self._streams is not None:
             self._streams[1].close()
+            self._streams = None
 
 
 async def disturb(client: RawClient, rids: list[str], total: int, swap_path: Path, notes: dict[str, Any]) -> None:
