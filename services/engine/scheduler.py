@@ -190,7 +190,14 @@ class Scheduler:
         joiners = self._admit()
         if joiners:
             self.stats["prefills"] += 1
-            self._finish_all(self.batch.join(joiners, self.weight_version))
+            try:
+                self._finish_all(self.batch.join(joiners, self.weight_version))
+            except Exception:  # the running rows are untouched: fail only the joiners
+                log.exception("prefill of %d joiners failed rids=%s", len(joiners), [s.req.rid for s in joiners])
+                kept = {id(s) for s in self.batch.rows}
+                for s in joiners:
+                    if id(s) not in kept:
+                        self._finish(s, abort_reason("engine error"))
         if self.batch:
             self.stats["decode_steps"] += 1
             self._finish_all(self.batch.decode(self.weight_version))

@@ -27,7 +27,7 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture
 def sched(model: torch.nn.Module) -> Scheduler:
-    return Scheduler(ModelRunner(model), weight_version="0", max_batch_size=4, max_queue=8)
+    return Scheduler(ModelRunner(model), weight_version="0", max_batch_size=4, max_queue=8, admit_wait_s=0.0)
 
 
 class Collector(dict[str, GenResult]):
@@ -332,3 +332,21 @@ def test_a_failing_forward_aborts_its_rows_and_the_loop_goes_on(model: torch.nn.
         sched.stop()
     assert got["a"].finish_reason == {"type": "abort", "message": "engine error"}
     assert len(got["b"].output_ids) == 4
+
+
+def test_a_failing_prefill_fails_only_its_joiners(model: torch.nn.Module, sched: Scheduler) -> None:
+    got = Collector()
+    sched.submit(req("running", [4, 5], 8, stops=frozenset()), got)
+    sched.step()
+    real_prefill = sched.runner.prefill
+
+    def broken(*a, **k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("bad prefill")
+
+    sched.runner.prefill = broken  # type: ignore[method-assign]
+    sched.submit(req("joiner", [4, 6], 8), got)
+    sched.step()
+    sched.runner.prefill = real_prefill  # type: ignore[method-assign]
+    run_all(sched)
+    assert got["joiner"].finish_reason == {"type": "abort", "message": "engine error"}
+    assert got["running"].output_ids == reference(model, [4, 5], 8)  # its batch went on untouched
