@@ -80,6 +80,8 @@ class Scheduler:
         self._validate(req)
         budget = min(req.max_new_tokens, self.runner.context_len - len(req.input_ids))
         with self._lock:
+            if self._stop.is_set():
+                raise EngineBusy("the engine is shutting down")
             if req.rid in self._live:
                 raise DuplicateRequest(f"rid {req.rid!r} is already in flight")
             if len(self._live) >= self.max_batch_size + self.max_queue:

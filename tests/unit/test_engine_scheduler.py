@@ -306,6 +306,8 @@ def test_thread_mode_serves_concurrent_submitters_and_stop_aborts_leftovers(mode
     finally:
         sched.stop()
     assert left["left"].finish_reason["type"] == "abort" and not sched.alive
+    with pytest.raises(EngineBusy, match="shutting down"):
+        sched.submit(req("after", [4, 5], 2), Collector())
 
 
 def test_a_failing_forward_aborts_its_rows_and_the_loop_goes_on(model: torch.nn.Module) -> None:
