@@ -108,7 +108,10 @@ class RunningBatch:
 
     def _sample(self, sampler: BatchSampler, seqs: list[Seq],
                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        u = None if sampler.all_greedy else sampler.uniforms([len(s.out) for s in seqs], self.rng)
+        # Seeded draws are keyed by the token's absolute position, so a request resumed from
+        # prompt + partial output (same seed) continues the random stream it was cut from.
+        positions = [len(s.req.input_ids) + len(s.out) for s in seqs]
+        u = None if sampler.all_greedy else sampler.uniforms(positions, self.rng)
         return sampler.sample(logits, u)
 
     def _record(self, seqs: list[Seq], tokens: tuple[torch.Tensor, torch.Tensor], version: str,

@@ -13,9 +13,11 @@ Contract (pure torch, no model, no I/O):
   ``top_p == 1`` and ``top_k`` off it is also exactly the log-probability under the
   distribution the token was drawn from.
 * Every draw is inverse-CDF sampling with one uniform number per row. With a
-  ``sampling_seed`` that number is a pure function of ``(seed, index of the token in the
-  request)`` (``seeded_uniform``), so a seeded request gives the same tokens whatever else
-  shares its batch and whenever it runs. Rows without a seed use the engine's own RNG.
+  ``sampling_seed`` that number is a pure function of ``(seed, absolute position of the token
+  in the sequence)`` (``seeded_uniform``), so a seeded request gives the same tokens whatever
+  else shares its batch and whenever it runs, and a generation resumed from prompt + partial
+  output with the same seed continues the same random stream. Rows without a seed use the
+  engine's own RNG.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class SamplingSpec:
 
 
 def seeded_uniform(seed: int, index: int) -> float:
-    """A uniform number in [0, 1) from (seed, token index): splitmix64 of a combined counter."""
+    """A uniform number in [0, 1) from (seed, token position): splitmix64 of a combined counter."""
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -74,11 +76,11 @@ class BatchSampler:
         self.top_k = torch.tensor(ks, dtype=torch.long)
         self.top_p = torch.tensor(ps, dtype=torch.float32)
 
-    def uniforms(self, token_index: Sequence[int], rng: random.Random) -> torch.Tensor:
-        """One uniform per row: seeded rows from (seed, their token index), others from `rng`."""
+    def uniforms(self, positions: Sequence[int], rng: random.Random) -> torch.Tensor:
+        """One uniform per row: seeded rows from (seed, their token's position), others from `rng`."""
         us = [
             seeded_uniform(s.seed, i) if s.seed is not None else rng.random()
-            for s, i in zip(self.specs, token_index, strict=True)
+            for s, i in zip(self.specs, positions, strict=True)
         ]
         return torch.tensor(us, dtype=torch.float32)
 

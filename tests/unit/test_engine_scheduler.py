@@ -289,6 +289,16 @@ def test_seeded_sampling_is_independent_of_batch_company(sched: Scheduler) -> No
     assert other["y"].output_ids != alone["x"].output_ids
 
 
+def test_seeded_generation_resumed_from_its_prefix_continues_the_same_tokens(sched: Scheduler) -> None:
+    spec, got = SamplingSpec(temperature=1.0, seed=77), Collector()
+    sched.submit(req("whole", [4, 5, 6], 14, spec, stops=frozenset()), got)
+    run_all(sched)
+    whole = got["whole"].output_ids
+    sched.submit(req("resumed", [4, 5, 6, *whole[:6]], 8, spec, stops=frozenset()), got)
+    run_all(sched)
+    assert got["resumed"].output_ids == whole[6:]
+
+
 def test_thread_mode_serves_concurrent_submitters_and_stop_aborts_leftovers(model: torch.nn.Module) -> None:
     sched = Scheduler(ModelRunner(model), max_batch_size=8)
     got, done = Collector(), threading.Event()
