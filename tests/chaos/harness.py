@@ -159,6 +159,7 @@ class Cluster:
     password: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     redis_extra: list[str] = field(default_factory=list)
+    own_engine: bool = False  # start an engine of its own (``start("engine")``) instead of the shared one
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -170,6 +171,9 @@ class Cluster:
         self.dataset = write_dataset(self.root / "dataset.jsonl", self.rows)
         self.proxy_port = free_port()
         self.proxy_url = f"http://127.0.0.1:{self.proxy_port}"
+        self.engine_port = free_port()
+        if self.own_engine:
+            self.engine_url = f"http://127.0.0.1:{self.engine_port}"
         self.procs: dict[str, Proc] = {}
         self.faults: list[str] = []  # every fault injected, for the figures
         self.config_path = self.write_config(self.overrides)
@@ -189,6 +193,7 @@ class Cluster:
             "redis": {"url": f"redis://127.0.0.1:{self.redis.port}/0", "prefix": self.keys.prefix,
                       "reconnect_backoff_max_s": 1.0, "socket_timeout_s": 10.0},
             "model": {"path": str(self.model_dir), "task": "reverse", "warm_steps": 0},
+            "engine": {"port": self.engine_port, "num_threads": 1, "max_batch_size": 32, "weight_version": "0"},
             "proxy": {"port": self.proxy_port, "engines": [self.engine_url or "http://127.0.0.1:9"],
                       "partial_rollout": True, "max_partial_rollout_preempts": 2, "session_ttl_s": 120.0},
             "prompt_buffer": {"dataset": str(self.dataset), "n_samples": 2, "epochs": 1, "poll_s": 0.1},
@@ -258,6 +263,8 @@ class Cluster:
     def start_pipeline(self, workers: int = 2, proxy: bool = True, trainer: bool = True) -> None:
         """proxy, trainer, collector, prompt-buffer, then (once the proxy answers) ``workers`` rollout
         workers w1..wN; returns when every one of them is up."""
+        if self.own_engine:
+            self.start("engine")
         if proxy:
             self.start("proxy")
         if trainer:
@@ -265,7 +272,7 @@ class Cluster:
         self.start("group-collector", "collector")
         self.start("prompt-buffer")
         if proxy:
-            self.wait_up("proxy")
+            self.wait_up("proxy", *(["engine"] if self.own_engine else []))
         for i in range(1, workers + 1):
             self.start("rollout-worker", f"w{i}")
         self.wait_up(*self.procs)
@@ -275,6 +282,8 @@ class Cluster:
             p = self.procs[name]
             if p.service == "proxy":
                 self.wait_http(f"{self.proxy_url}/health", p, timeout)
+            elif p.service == "engine":
+                self.wait_http(f"http://127.0.0.1:{self.engine_port}/health", p, timeout)
             elif p.service in HEALTH:
                 wait_until(lambda p=p: self.r.exists(self.keys.health(HEALTH[p.service], p.name)) or not p.alive(),
                            timeout, f"{p.name} heartbeat", p.tail)
