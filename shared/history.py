@@ -10,9 +10,10 @@ A ``History`` is fed entry by entry and idempotently (``feed``), so a recorder t
 while a run goes on (``poll``) keeps a copy that outlives Redis; ``collect`` then adds what Redis
 holds now, marks the groups that are still *live* (an entry pending or undelivered in its consumer
 group: in flight, not lost) and counts recorded entries Redis no longer has (``missing``: data loss,
-e.g. a restart without AOF). Verdict: ``lost``, ``duplicated``, ``in_two_batches``,
+e.g. a restart without AOF) — with ``allow_trimmed``, except a trimmed prefix (entries below the
+first one left that their group had delivered: what ``shared.streams.trim_acked`` removes). Verdict: ``lost``, ``duplicated``, ``in_two_batches``,
 ``trained_and_dead``, ``dead_twice``, ``over_budget`` and ``missing`` must all be 0 (``ok``).
-Streams must not be trimmed below the history being checked (chaos runs disable trimming or record).
+Without a recorder, streams must not be trimmed below the history being checked.
 """
 
 from __future__ import annotations
@@ -209,22 +210,27 @@ def poll(r: redis.Redis, keys: Keys, h: History, cursors: dict[str, str], count:
     return fed
 
 
-def _live_ids(r: redis.Redis, stream: str, group: str, ids: list[str]) -> set[str]:
-    """Entries of ``stream`` that ``group`` has not finished: pending, or not delivered yet."""
+def _consumed(r: redis.Redis, stream: str, group: str, ids: list[str]) -> tuple[set[str], tuple[int, int] | None]:
+    """(entries of ``stream`` that ``group`` has not finished: pending or undelivered, its last-delivered id)."""
     try:
         infos = {_s(g["name"]): g for g in r.xinfo_groups(stream)}
     except redis.ResponseError:
-        return set(ids)  # no stream or no group yet: nothing was consumed
+        return set(ids), None  # no stream or no group yet: nothing was consumed
     if group not in infos:
-        return set(ids)
+        return set(ids), None
     last = _id(infos[group]["last-delivered-id"])
     live = {i for i in ids if _id(i) > last}
     live.update(_s(p["message_id"]) for p in r.xpending_range(stream, group, min="-", max="+", count=1_000_000))
-    return live
+    return live, last
 
 
-def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries: int | None = None) -> History:
-    """Feed everything Redis holds now into ``into`` (or a new History) and mark live and missing entries."""
+def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries: int | None = None,
+            allow_trimmed: bool = False) -> History:
+    """Feed everything Redis holds now into ``into`` (or a new History) and mark live and missing entries.
+
+    ``allow_trimmed``: a recorded entry gone from the front of a stream its group had delivered counts
+    as trimmed, not missing (runs with trimming on; never across a restart that could lose data).
+    """
     h = into if into is not None else History(max_retries=max_retries)
     if max_retries is not None:
         h.max_retries = max_retries
@@ -234,12 +240,11 @@ def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries
     for name in STREAMS:  # batches before trained, so trained batch ids resolve at once
         for eid, fields in present[name].items():
             h.feed(name, eid, fields)
-    h.missing = {n: len(h.seen.get(n, set()) - present[n].keys()) for n in STREAMS}
-    h.missing = {n: c for n, c in h.missing.items() if c}
-    h.live = set()
+    h.live, delivered = set(), {}
     for name, group in _GROUPS.items():
         stream = stream_names(keys)[name]
-        for eid in _live_ids(r, stream, group, list(present[name])):
+        live, delivered[name] = _consumed(r, stream, group, list(present[name]))
+        for eid in live:
             fields = {_s(k): v for k, v in present[name][eid].items()}
             if name == "batches":
                 try:
@@ -248,6 +253,15 @@ def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries
                     pass
             elif "group_id" in fields:
                 h.live.add(_s(fields["group_id"]))
+    h.missing = {}
+    for name in STREAMS:
+        gone = h.seen.get(name, set()) - present[name].keys()
+        if allow_trimmed and name in delivered:  # trimming removes a delivered, acknowledged prefix
+            first = min((_id(i) for i in present[name]), default=None)
+            last = delivered[name]
+            gone = {i for i in gone if last is None or _id(i) > last or (first is not None and _id(i) > first)}
+        if gone:
+            h.missing[name] = len(gone)
     return h
 
 

@@ -167,3 +167,25 @@ def test_cli_exit_code_says_whether_the_law_holds(r: fakeredis.FakeRedis, monkey
     assert "lost groups: g1" in capsys.readouterr().out
     batch(r, "b1", "g1")
     assert history.main(["--prefix", "h", "--max-retries", "2"]) == 0
+
+
+def test_a_trimmed_prefix_is_missing_unless_trimming_is_allowed(r: fakeredis.FakeRedis) -> None:
+    h, cursors = History(), {}
+    enqueue(r, "g1")
+    second = enqueue(r, "g2")
+    enqueue(r, "g3")
+    poll(r, K, h, cursors)
+    r.xtrim(K.prompts, minid=second, approximate=False)  # what trim_acked does: drop a delivered, acknowledged prefix
+    assert collect(r, K, into=h).missing == {"prompts": 1}
+    assert collect(r, K, into=h, allow_trimmed=True).missing == {}
+
+
+def test_entries_gone_from_the_middle_or_undelivered_are_missing_even_with_trimming(r: fakeredis.FakeRedis) -> None:
+    h, cursors = History(), {}
+    enqueue(r, "g1")
+    middle = enqueue(r, "g2")
+    enqueue(r, "g3")
+    tail = enqueue(r, "g4", consume=False)
+    poll(r, K, h, cursors)
+    r.xdel(K.prompts, middle, tail)
+    assert collect(r, K, into=h, allow_trimmed=True).missing == {"prompts": 2}
