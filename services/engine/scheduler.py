@@ -65,7 +65,7 @@ class Scheduler:
         self.paused = False
         # "requests": generation requests accepted (queued) since start, for exactly-once checks under load.
         self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0, "aborted": 0,
-                                        "swaps": 0, "busy_s": 0.0, "busy_cpu_s": 0.0, "requests": 0}
+                                        "swaps": 0, "busy_s": 0.0, "requests": 0}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: set[str] = set()
