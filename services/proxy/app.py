@@ -104,7 +104,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
                                              f"proxy.max_prompt_tokens={rt.cfg.max_prompt_tokens}")
         sampling = rt.sampling(req.temperature, req.top_p, req.top_k, req.seed, None)
         gen, seg = await rt.turn(sid, partial, input_ids, req.new_tokens(rt.cfg.max_tokens_limit), sampling)
-        text = rt.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        text = rt.decode(gen.output_ids, skip_special_tokens=True)
         body = fmt.chat_completion(gen, text, len(input_ids), req.model or rt.model_name, sid, seg)
         headers = {"X-Session-Id": sid}
         if req.stream:
@@ -122,24 +122,19 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
             sampling["ignore_eos"] = True
         gen, seg = await rt.turn(sid, _partial(request, rt.cfg.partial_rollout), req.input_ids,
                                  sp.max_new_tokens or rt.cfg.max_tokens_limit, sampling)
-        text = rt.tokenizer.decode(gen.output_ids, skip_special_tokens=False)
+        text = rt.decode(gen.output_ids, skip_special_tokens=False)
         return JSONResponse(fmt.token_response(gen, text, len(req.input_ids), sid, seg), headers={"X-Session-Id": sid})
 
-    @app.post("/v1/chat/completions")
-    async def chat_root(request: Request) -> Response:
-        return await chat(request, None)
+    async def chat_route(request: Request) -> Response:
+        return await chat(request, request.path_params.get("session_id"))
 
-    @app.post("/s/{session_id}/v1/chat/completions")
-    async def chat_scoped(session_id: str, request: Request) -> Response:
-        return await chat(request, session_id)
+    async def generate_route(request: Request) -> Response:
+        return await generate(request, request.path_params.get("session_id"))
 
-    @app.post("/v1/generate")
-    async def generate_root(request: Request) -> Response:
-        return await generate(request, None)
-
-    @app.post("/s/{session_id}/v1/generate")
-    async def generate_scoped(session_id: str, request: Request) -> Response:
-        return await generate(request, session_id)
+    # The hot path as plain Starlette routes: no per-request dependency injection.
+    for prefix in ("", "/s/{session_id}"):
+        app.add_route(f"{prefix}/v1/chat/completions", chat_route, methods=["POST"])
+        app.add_route(f"{prefix}/v1/generate", generate_route, methods=["POST"])
 
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")

@@ -176,6 +176,8 @@ class GenerationController:
 
     def check(self, session_id: str, earlier: list[str], candidate: list[str], partial: bool) -> None:
         """Refuse ``candidate`` versions for a session whose tokens so far carry ``earlier``."""
+        # Per-token lists repeat a few labels: dedupe (order kept) before the shared helpers see them.
+        earlier, candidate = list(dict.fromkeys(earlier)), list(dict.fromkeys(candidate))
         if partial:
             if self.max_preempts is None:
                 return

@@ -15,14 +15,14 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-
 from services.proxy.errors import UpstreamError, UpstreamUnavailable
+from services.proxy.transport import ConnectFailed, RawHttp, RequestFailed, Transport
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ def parse_generate(body: Any) -> Chunk:
         ids = [e[1] if isinstance(e, list | tuple) else e.get("token_id") for e in lp_entries]
     try:
         output_ids = [int(t) for t in ids]
-        logprobs = [float(e[0] if isinstance(e, list | tuple) else e.get("logprob", 0.0) or 0.0)
-                    for e in lp_entries]
+        try:  # SGLang's [logprob, token_id, text] triples: the hot path, no per-entry type checks
+            logprobs = [float(e[0]) for e in lp_entries]
+        except (TypeError, KeyError):  # dict entries ({"logprob": ...}) from other servers
+            logprobs = [float(e.get("logprob", 0.0) or 0.0) for e in lp_entries]
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise UpstreamError(f"engine response output_ids/output_token_logprobs malformed: {exc}") from None
     if len(logprobs) != len(output_ids):
@@ -102,21 +104,20 @@ def rank_engines(engines: list[str], key: str) -> list[str]:
 
 
 class EngineClient:
-    """Async HTTP to a fixed list of engines (one shared connection pool)."""
+    """Async HTTP to a fixed list of engines over one ``Transport`` (keep-alive pools)."""
 
     def __init__(self, engines: list[str], connect_timeout_s: float = 2.0, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
-                 http: httpx.AsyncClient | None = None) -> None:
+                 transport: Transport | None = None) -> None:
         self.engines = [e.rstrip("/") for e in engines]
         self._names = {e: redact(e) for e in self.engines}
+        self._request_timeout = request_timeout_s
         self._control_timeout, self._abort_timeout = control_timeout_s, abort_timeout_s
-        timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        # ``http`` lets tests route requests to an in-process ASGI fake.
-        self._http = http or httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        # Tests pass an HttpxTransport routed to in-process ASGI fakes.
+        self._http: Transport = transport or RawHttp(connect_timeout=connect_timeout_s)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     def _name(self, url: str) -> str:
         return self._names.get(url) or redact(url)
@@ -124,44 +125,44 @@ class EngineClient:
     def route(self, session_id: str) -> list[str]:
         return rank_engines(self.engines, session_id) if len(self.engines) > 1 else list(self.engines)
 
-    async def generate(self, url: str, body: dict[str, Any]) -> Chunk:
-        """POST ``{url}/generate``; connection failures raise UpstreamUnavailable (nothing was sent)."""
+    async def _call(self, method: str, url: str, path: str, body: Any | None, timeout: float) -> tuple[int, Any]:
+        """``(status, parsed JSON or text)``; transport failures become UpstreamUnavailable."""
         try:
-            resp = await self._http.post(f"{url}/generate", json=body)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise UpstreamUnavailable(f"engine {self._name(url)} unreachable ({type(exc).__name__})", connected=False) from None
-        except httpx.TimeoutException as exc:
-            raise UpstreamUnavailable(f"engine {self._name(url)} timed out ({type(exc).__name__})", connected=True) from None
-        except httpx.TransportError as exc:  # connection dropped mid-request (engine died)
-            raise UpstreamUnavailable(f"engine {self._name(url)} failed ({type(exc).__name__})", connected=True) from None
-        if resp.status_code >= 400:
-            raise UpstreamError(f"engine {self._name(url)} answered {resp.status_code}", engine_status=resp.status_code,
-                                engine_detail=_short(resp.text))
+            status, raw = await self._http.request(method, f"{url}{path}", body, timeout)
+        except ConnectFailed as exc:
+            raise UpstreamUnavailable(f"engine {self._name(url)} unreachable ({exc})", connected=False) from None
+        except RequestFailed as exc:
+            raise UpstreamUnavailable(f"engine {self._name(url)} {path} failed ({exc})", connected=True) from None
         try:
-            return parse_generate(resp.json())
+            return status, json.loads(raw)
         except ValueError:
-            raise UpstreamError(f"engine {self._name(url)} returned non-JSON") from None
+            return status, raw.decode("utf-8", "replace")
+
+    async def generate(self, url: str, body: dict[str, Any]) -> Chunk:
+        """POST ``{url}/generate``; ``connected=False`` on the error means nothing was sent."""
+        status, data = await self._call("POST", url, "/generate", body, self._request_timeout)
+        if status >= 400:
+            raise UpstreamError(f"engine {self._name(url)} answered {status}", engine_status=status,
+                                engine_detail=_short(str(data)))
+        if not isinstance(data, dict):
+            raise UpstreamError(f"engine {self._name(url)} returned non-JSON")
+        return parse_generate(data)
 
     async def abort(self, url: str, rid: str) -> bool:
         """Ask ``url`` to abort ``rid``; True on a 2xx (the rid may already have finished)."""
         try:
-            resp = await self._http.post(f"{url}/abort_request", json={"rid": rid}, timeout=self._abort_timeout)
-        except httpx.HTTPError as exc:
-            log.warning("abort failed rid=%s engine=%s: %s", rid, self._name(url), type(exc).__name__)
+            status, _ = await self._call("POST", url, "/abort_request", {"rid": rid}, self._abort_timeout)
+        except UpstreamUnavailable as exc:
+            log.warning("abort failed rid=%s: %s", rid, exc.message)
             return False
-        return resp.status_code < 300
+        return status < 300
 
     async def update_weights(self, url: str, model_path: str, version: str) -> dict[str, Any]:
         """``POST /update_weights_from_disk``; raises UpstreamError/UpstreamUnavailable on failure."""
         body = {"model_path": model_path, "weight_version": version}
-        try:
-            resp = await self._http.post(f"{url}/update_weights_from_disk", json=body, timeout=self._control_timeout)
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"engine {self._name(url)} unreachable for weight update ({type(exc).__name__})") from None
-        data = _json_or_text(resp)
-        ok = resp.status_code < 300 and not (isinstance(data, dict) and data.get("success") is False)
-        if not ok:
-            raise UpstreamError(f"engine {self._name(url)} refused weights version={version}", engine_status=resp.status_code,
+        status, data = await self._call("POST", url, "/update_weights_from_disk", body, self._control_timeout)
+        if status >= 300 or (isinstance(data, dict) and data.get("success") is False):
+            raise UpstreamError(f"engine {self._name(url)} refused weights version={version}", engine_status=status,
                                 engine_detail=_short(str(data)))
         return data if isinstance(data, dict) else {"response": data}
 
@@ -169,21 +170,12 @@ class EngineClient:
         """The engine's loaded version (``/get_weight_version``, else ``/model_info``); None if unknown."""
         for path in ("/get_weight_version", "/model_info"):
             try:
-                resp = await self._http.get(f"{url}{path}", timeout=self._control_timeout)
-            except httpx.HTTPError:
+                status, data = await self._call("GET", url, path, None, self._control_timeout)
+            except UpstreamUnavailable:
                 return None
-            if resp.status_code < 300:
-                data = _json_or_text(resp)
-                if isinstance(data, dict) and data.get("weight_version") is not None:
-                    return str(data["weight_version"])
+            if status < 300 and isinstance(data, dict) and data.get("weight_version") is not None:
+                return str(data["weight_version"])
         return None
-
-
-def _json_or_text(resp: httpx.Response) -> Any:
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text
 
 
 def _short(text: str, limit: int = 300) -> str:

@@ -107,8 +107,7 @@ class Guard:
         try:
             await self._guarded(scope, receive, send_wrapper)
         finally:
-            self.metrics.requests.labels(route, str(status[0])).inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+            self.metrics.request_done(route, status[0], time.perf_counter() - start)
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):

@@ -6,6 +6,8 @@ would explode cardinality), ``code`` is the HTTP status, ``reason`` a fixed erro
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -38,7 +40,17 @@ class ProxyMetrics:
         self.weight_updates = Counter("dressage_proxy_weight_updates", "engine weight loads by result",
                                       ["result"], registry=r)
         self.sessions = Gauge("dressage_proxy_sessions", "live sessions", registry=r)
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.tokens = Counter("dressage_proxy_generated_tokens", "response tokens recorded", registry=r)
+
+    def request_done(self, route: str, code: int, seconds: float) -> None:
+        """Count one HTTP request (label children cached: this runs on every request)."""
+        key = (route, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (self.requests.labels(route, str(code)), self.latency.labels(route))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -25,7 +25,7 @@ def _extension(gen: Generation, session_id: str, segment_index: int) -> dict[str
     """The ``dressage`` block: which versions produced this response and how it was stitched."""
     return {"session_id": session_id, "segment_index": segment_index,
             "weight_version": gen.versions[-1] if gen.versions else None,
-            "versions": ordered_real_versions(gen.versions), "preempts": gen.preempts,
+            "versions": ordered_real_versions(dict.fromkeys(gen.versions)), "preempts": gen.preempts,
             "partial_rollout_chunks": gen.chunks}
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +28,8 @@ from services.proxy.updater import WeightUpdater
 from shared.config import ProxyConfig
 from shared.keys import Keys
 from shared.modeling.loading import stop_token_ids
-from shared.telemetry import heartbeat
+from shared.streams import consumer_name
+from shared.telemetry import Heartbeat
 from shared.versionbus import VersionWatcher
 
 log = logging.getLogger(__name__)
@@ -92,15 +91,21 @@ class ProxyRuntime:
 
     async def _heartbeat_loop(self) -> None:
         assert self._redis_factory is not None and self._keys is not None
-        r = self._redis_factory()
-        consumer = f"{socket.gethostname()}-{os.getpid()}"
+        hb = Heartbeat(self._redis_factory(), self._keys, "proxy", consumer_name("proxy"), self._hb_ttl)
         while True:
             info = {"version": self.controller.current_version, "sessions": len(self.sessions),
-                    "in_flight": self.limit.in_flight, "paused": bool(self.controller.state()["paused"])}
-            await asyncio.to_thread(heartbeat, r, self._keys, "proxy", consumer, self._hb_ttl, info)
-            await asyncio.sleep(max(1.0, self._hb_ttl / 3))
+                    "in_flight": self.limit.in_flight, "paused": not self.controller.runnable("")}
+            await asyncio.to_thread(hb.beat, info, True)
+            await asyncio.sleep(max(0.5, self._hb_ttl / 3))
 
     # --- requests --------------------------------------------------------------------------
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """Token ids to text; straight through the Rust tokenizer when there is one (hot path)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def sampling(self, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
                  stop_ids: list[int] | None) -> dict[str, Any]:

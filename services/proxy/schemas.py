@@ -147,8 +147,8 @@ class GenerateRequest(BaseModel):
         lim = _limits(info)
         if lim is not None and len(v) > lim.max_prompt_tokens:
             raise ValueError(f"{len(v)} tokens exceed proxy.max_prompt_tokens={lim.max_prompt_tokens}")
-        bad = next((i for i, t in enumerate(v) if not 0 <= t <= MAX_TOKEN_ID), None)
-        if bad is not None:
+        if min(v) < 0 or max(v) > MAX_TOKEN_ID:  # C-speed scan first; find the index only when bad
+            bad = next(i for i, t in enumerate(v) if not 0 <= t <= MAX_TOKEN_ID)
             raise ValueError(f"token at index {bad} is not a valid token id")
         return v
 

@@ -89,12 +89,14 @@ class Session:
         seg.token_ids += output_ids
         seg.loss_mask += [1] * len(output_ids)
         seg.logprobs += [float(x) for x in logprobs]
-        seg.token_versions += normalize_token_versions(versions)
+        labels = dict.fromkeys(versions)  # a few distinct labels: normalise each once
+        canonical = dict(zip(labels, normalize_token_versions(labels), strict=True))
+        seg.token_versions += [canonical[v] for v in versions]
         seg.finish_reason = finish_reason
         seg.turns += 1
         seg.preempts += preempts
         self.turns += 1
-        self.versions = ordered_real_versions([*self.versions, *versions])
+        self.versions = ordered_real_versions([*self.versions, *labels])
         return len(self.segments) - 1
 
     def samples(self) -> list[dict[str, Any]]:

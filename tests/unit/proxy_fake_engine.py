@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from services.proxy.transport import HttpxTransport
+
 VOCAB = 100
 
 
@@ -98,9 +100,9 @@ class DownTransport(httpx.AsyncBaseTransport):
         raise httpx.ConnectError("connection refused", request=request)
 
 
-def http_client(engines: dict[str, FakeEngine | None]) -> httpx.AsyncClient:
-    """One AsyncClient routing each engine URL to its fake (None: a dead engine)."""
+def http_client(engines: dict[str, FakeEngine | None]) -> HttpxTransport:
+    """A transport routing each engine URL to its fake (None: a dead engine)."""
     mounts: dict[str, httpx.AsyncBaseTransport] = {
         url: (httpx.ASGITransport(app=e.app) if e is not None else DownTransport()) for url, e in engines.items()
     }
-    return httpx.AsyncClient(mounts=mounts)
+    return HttpxTransport(httpx.AsyncClient(mounts=mounts))

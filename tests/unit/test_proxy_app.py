@@ -27,7 +27,7 @@ def run_proxy(test: Callable[[httpx.AsyncClient, ProxyRuntime, FakeEngine], Awai
               engine: FakeEngine | None = None, **cfg: Any) -> None:
     eng = engine or FakeEngine("a", stop_after=6)
     config = ProxyConfig(engines=[ENGINE], **cfg)
-    rt = ProxyRuntime(config, TOKENIZER, client=EngineClient([ENGINE], http=http_client({ENGINE: eng})))
+    rt = ProxyRuntime(config, TOKENIZER, client=EngineClient([ENGINE], transport=http_client({ENGINE: eng})))
     app = build_app(rt)
 
     async def main() -> None:

@@ -28,7 +28,7 @@ SAMPLING = {"temperature": 1.0, "stop_token_ids": []}
 
 def make(engines: dict[str, FakeEngine | None], max_preempts: int | None = None,
          current: str | None = "a") -> GenerationController:
-    client = EngineClient(list(engines), http=http_client(engines))
+    client = EngineClient(list(engines), transport=http_client(engines))
     ctl = GenerationController(client, ProxyMetrics(), max_preempts, request_timeout_s=10, pause_timeout_s=5)
     ctl.current_version = current
     return ctl

@@ -1,0 +1,104 @@
+"""The proxy's keep-alive HTTP/1.1 client against tiny in-test asyncio servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from services.proxy.transport import ConnectFailed, RawHttp, RequestFailed, _read_response
+from shared.redisproc import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def parse(raw: bytes) -> tuple[int, bytes, bool]:
+    async def go() -> tuple[int, bytes, bool]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(raw)
+        reader.feed_eof()
+        return await _read_response(reader)
+    return asyncio.run(go())
+
+
+def test_content_length_chunked_and_close_delimited_bodies() -> None:
+    assert parse(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi") == (200, b"hi", True)
+    chunked = b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n"
+    assert parse(chunked) == (201, b"abcde", True)
+    assert parse(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx") == (200, b"x", False)
+    assert parse(b"HTTP/1.0 200 OK\r\n\r\nrest") == (200, b"rest", False)
+    with pytest.raises(ValueError):
+        parse(b"HTTP/1.1 abc OK\r\n\r\n")
+
+
+async def _serve(handler: Handler) -> tuple[asyncio.Server, str]:
+    port = free_port()
+    server = await asyncio.start_server(handler, "127.0.0.1", port)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def run(fn: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(fn(), 10))
+
+
+def test_keep_alive_reuses_one_connection_and_sends_json() -> None:
+    connections: list[int] = []
+    seen: list[Any] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            n = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            seen.append(json.loads(await reader.readexactly(n)) if n else None)
+            body = b'{"ok":true}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def flow() -> None:
+        server, url = await _serve(echo)
+        http = RawHttp()
+        for i in range(3):
+            assert await http.request("POST", f"{url}/generate", {"i": i}, 5) == (200, b'{"ok":true}')
+        assert await http.request("GET", f"{url}/x?y=1", None, 5) == (200, b'{"ok":true}')
+        await http.close()
+        server.close()
+
+    run(flow)
+    assert len(connections) == 1 and seen == [{"i": 0}, {"i": 1}, {"i": 2}, None]
+
+
+def test_refused_connection_is_connect_failed() -> None:
+    async def flow() -> None:
+        with pytest.raises(ConnectFailed):
+            await RawHttp(connect_timeout=1).request("POST", f"http://127.0.0.1:{free_port()}/generate", {}, 5)
+    run(flow)
+
+
+def test_broken_or_silent_server_after_sending_is_request_failed() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")  # then dies mid-body
+        writer.close()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+
+    async def flow() -> None:
+        server, url = await _serve(hang_up)
+        with pytest.raises(RequestFailed) as broken:
+            await RawHttp().request("POST", f"{url}/generate", {}, 5)
+        assert not broken.value.timed_out
+        server.close()
+        server, url = await _serve(silent)
+        with pytest.raises(RequestFailed) as slow:
+            await RawHttp().request("POST", f"{url}/generate", {}, 0.2)
+        assert slow.value.timed_out
+        server.close()
+
+    run(flow)
