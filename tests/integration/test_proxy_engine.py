@@ -19,7 +19,7 @@ from shared.redisproc import RedisProcess
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version
 
-LONG = 900  # tokens: long enough to be interrupted after a few dozen
+LONG = 1500  # tokens: long enough to be interrupted after a few dozen, even on a fast engine
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +48,17 @@ def long_request(pool: ThreadPoolExecutor, url: str, session: str, n: int = LONG
                        headers={"X-Session-Id": session, **(headers or {})}, timeout=120)
 
 
-def publish_b_midway(p: ProxyThread, engine: EngineProc, r: redis.Redis, keys: Keys) -> None:
-    """Once the engine produced some tokens of the in-flight request, publish version "b"."""
+def wait_tokens(p: ProxyThread, engine: EngineProc, n: int) -> None:
+    """Until the in-flight request of ``p`` has produced at least ``n`` tokens on the engine."""
     p.wait_state(lambda s: s["active_generations"] == 1)
     start = engine.info()["generated_tokens"]
-    while engine.info()["generated_tokens"] - start < 20:
-        time.sleep(0.01)
+    while engine.info()["generated_tokens"] - start < n:
+        time.sleep(0.005)
+
+
+def publish_b_midway(p: ProxyThread, engine: EngineProc, r: redis.Redis, keys: Keys) -> None:
+    """Once the engine produced some tokens of the in-flight request, publish version "b"."""
+    wait_tokens(p, engine, 20)
     publish_version(r, keys, WeightVersion(version="b", path=str(engine.second_dir), step=1, published_at=time.time()))
 
 
@@ -134,9 +139,8 @@ def test_non_partial_mode_rejects_preempted_generations_and_turns_on_a_changed_v
 def test_operator_pause_aborts_on_the_engine_and_the_partial_tokens_are_kept(
         engine: EngineProc, redis_server: RedisProcess, keys: Keys, pool: ThreadPoolExecutor) -> None:
     with proxy(engine, redis_server, keys, partial_rollout=True) as p:
-        fut = long_request(pool, p.url, "traj-pause", n=400)
-        p.wait_state(lambda s: s["active_generations"] == 1)
-        time.sleep(0.2)
+        fut = long_request(pool, p.url, "traj-pause", n=1500)
+        wait_tokens(p, engine, 20)
         paused = httpx.post(f"{p.url}/v1/rollout/pause", json={"reason": "test"}, timeout=30).json()
         assert paused["status"] == "paused" and paused["quiesced"] and len(paused["preempted_request_ids"]) == 1
         st = p.wait_state(lambda s: s["suspended_generations"] == 1)
@@ -147,5 +151,5 @@ def test_operator_pause_aborts_on_the_engine_and_the_partial_tokens_are_kept(
         assert r.status_code == 200
         chunks = r.json()["meta_info"]["partial_rollout_chunks"]
         assert chunks[0]["preempted"] and chunks[0]["finish_reason"] == "abort" and chunks[0]["num_output_tokens"] > 0
-        assert sum(c["num_output_tokens"] for c in chunks) == 400 == len(r.json()["output_ids"])
+        assert sum(c["num_output_tokens"] for c in chunks) == 1500 == len(r.json()["output_ids"])
         assert set(r.json()["meta_info"]["output_token_versions"]) == {"a"}
