@@ -62,6 +62,7 @@ class History:
     poison: int = 0  # dead letters of malformed entries (no group)
     live: set[str] = field(default_factory=set)  # groups with an entry still pending/undelivered
     missing: dict[str, int] = field(default_factory=dict)  # stream -> recorded entries Redis lost
+    missing_examples: dict[str, list[str]] = field(default_factory=dict)  # stream -> a few of their ids
     seen: dict[str, set[str]] = field(default_factory=dict)  # stream -> entry ids fed
     batch_groups: dict[str, list[str]] = field(default_factory=dict)  # batch id -> its group ids
     _unresolved: list[str] = field(default_factory=list)  # trained batch ids not seen in a batch yet
@@ -191,7 +192,7 @@ class History:
             if s[name]:
                 lines.append(f"  {name} groups: {', '.join(getattr(self, name)[:20])}")
         if s["missing"]:
-            lines.append(f"  missing entries by stream: {self.missing}")
+            lines.append(f"  missing entries by stream: {self.missing}, e.g. {self.missing_examples}")
         return "\n".join(lines)
 
 
@@ -253,7 +254,7 @@ def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries
                     pass
             elif "group_id" in fields:
                 h.live.add(_s(fields["group_id"]))
-    h.missing = {}
+    h.missing, h.missing_examples = {}, {}
     for name in STREAMS:
         gone = h.seen.get(name, set()) - present[name].keys()
         if allow_trimmed and name in delivered:  # trimming removes a delivered, acknowledged prefix
@@ -262,6 +263,7 @@ def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries
             gone = {i for i in gone if last is None or _id(i) > last or (first is not None and _id(i) > first)}
         if gone:
             h.missing[name] = len(gone)
+            h.missing_examples[name] = sorted(gone, key=_id)[:3]
     return h
 
 

@@ -181,8 +181,9 @@ class GroupCollector:
     def trim(self) -> None:
         trimmed = trim_acked(self.r, self.keys.prompts, [GROUP_ROLLOUT])
         trimmed += trim_acked(self.r, self.keys.rollouts, [GROUP_COLLECTOR])
+        trimmed += trim_acked(self.r, self.keys.batches, [GROUP_TRAINER])  # acked = in a checkpoint
         if trimmed:
-            log.debug("trimmed %d acknowledged entries from prompts/rollouts", trimmed)
+            log.debug("trimmed %d acknowledged entries from prompts/rollouts/batches", trimmed)
 
     def write_window(self) -> None:
         state = {k: "" if v is None else str(v) for k, v in self.core.window_state().items()}

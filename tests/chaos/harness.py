@@ -312,6 +312,13 @@ class Cluster:
         self.procs[name].send(signal.SIGTERM)
         return self.procs[name].wait(timeout)
 
+    def restart_dead(self) -> list[str]:
+        """Start again (same name) every service that is not running; returns their names."""
+        dead = [n for n, p in self.procs.items() if not p.alive()]
+        for n in dead:
+            self.start(self.procs[n].service, n)
+        return dead
+
     def assert_alive(self, *names: str) -> None:
         for n in names or tuple(self.procs):
             assert self.procs[n].alive(), f"{n} died (rc={self.procs[n].popen.returncode}):\n{self.procs[n].tail()}"
@@ -332,10 +339,11 @@ class Cluster:
         wait_until(lambda: self.settled(expected), timeout, f"{expected} groups to settle",
                    lambda: f"stats={self.stats()}\n{self.verdict().render()}\n{self.logs()}", period=0.25)
 
-    def verdict(self) -> History:
+    def verdict(self, allow_trimmed: bool = False) -> History:
         """The recorded history plus everything Redis holds now (live and missing entries marked)."""
         with self.recorder.lock:
-            return collect(self.r, self.keys, into=self.recorder.history, max_retries=self.max_retries)
+            return collect(self.r, self.keys, into=self.recorder.history, max_retries=self.max_retries,
+                           allow_trimmed=allow_trimmed)
 
     def explain(self) -> str:
         return f"{self.verdict().render()}\nstats={self.stats()}\nfaults={self.faults}\n{self.logs()}"
