@@ -154,6 +154,9 @@ class GenerationController:
         was_paused = not self.runnable(session_id) if session_id else bool(self._holders)
         if version is not None and real_version(version) is not None:
             self.current_version = real_version(version)
+        elif was_paused and session_id is None:
+            # Whoever paused may have loaded weights behind our back: ask the engines (§9 #15).
+            await self.refresh_version()
         if session_id is None:
             self._holders.discard(holder)
         else:
@@ -164,6 +167,13 @@ class GenerationController:
                  self.current_version, self.epoch, sorted(self._holders))
         await self._notify()
         return {"status": "resumed" if was_paused else "already_running", **self.state()}
+
+    async def refresh_version(self) -> str | None:
+        """Set ``current_version`` from the engines when they all report the same real one."""
+        found = {await self.client.weight_version(u) for u in self.client.engines}
+        if len(found) == 1 and (v := real_version(found.pop())) is not None:
+            self.current_version = v
+        return self.current_version
 
     def state(self) -> dict[str, Any]:
         return {"paused": bool(self._holders), "pause_holders": sorted(self._holders),

@@ -57,9 +57,7 @@ class ProxyRuntime:
 
     async def start(self) -> None:
         self.updater.bind(asyncio.get_running_loop())
-        versions = {await self.client.weight_version(u) for u in self.client.engines}
-        if len(versions) == 1 and None not in versions:
-            self.controller.current_version = versions.pop()
+        await self.controller.refresh_version()
         log.info("proxy started engines=%d version=%s partial_rollout=%s max_preempts=%s", len(self.client.engines),
                  self.controller.current_version, self.cfg.partial_rollout, self.cfg.max_partial_rollout_preempts)
         if self._redis_factory is not None and self._keys is not None and self.cfg.follow_versions:

@@ -237,3 +237,16 @@ def test_updater_coalesces_versions_and_skips_engines_already_on_it() -> None:
     run(flow)
     assert [u["weight_version"] for u in eng.updates] == ["1", "3"]  # "2" superseded while "1" loaded
     assert updater.applied == "3"
+
+
+def test_operator_resume_without_version_asks_the_engines_what_they_run() -> None:
+    eng = FakeEngine("a")
+    ctl = make({E1: eng}, current="a")
+
+    async def flow() -> None:
+        await ctl.pause()
+        eng.version = "c"  # a trainer loaded weights into the engine directly while paused
+        await ctl.resume()
+
+    run(flow)
+    assert ctl.current_version == "c"
