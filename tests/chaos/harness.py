@@ -58,6 +58,18 @@ def write_dataset(path: Path, n: int, source: Path = REPO / "data" / "reverse" /
     return path
 
 
+def render_acl(template: Path, passwords: dict[str, str], out: Path) -> Path:
+    """``configs/redis-acl.conf`` as Redis reads it: comments dropped, ``${SERVICE_PASSWORD}`` filled in,
+    and the disabled default user replaced by an unrestricted one without password (loopback test admin)."""
+    lines = [ln for ln in template.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    text = "\n".join(lines) + "\n"
+    for user, pw in passwords.items():
+        text = text.replace("${" + user.upper().replace("-", "_") + "_PASSWORD}", pw)
+    assert "${" not in text, "a password placeholder was left unfilled"
+    out.write_text(text.replace("user default off", "user default on nopass ~* &* +@all"))
+    return out
+
+
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
@@ -160,13 +172,15 @@ class Cluster:
     overrides: dict[str, Any] = field(default_factory=dict)
     redis_extra: list[str] = field(default_factory=list)
     own_engine: bool = False  # start an engine of its own (``start("engine")``) instead of the shared one
+    prefix: str | None = None  # key prefix; None = a unique one (ACL patterns need the real "dressage")
+    users: dict[str, str] | None = None  # ACL user (= service name) -> password; services log in as theirs
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "logs").mkdir(exist_ok=True)
         self.redis = RedisProcess(self.root / "redis", appendonly=self.appendonly, password=self.password,
                                   extra=self.redis_extra).start()
-        self.keys = Keys(f"chaos{uuid.uuid4().hex[:8]}")
+        self.keys = Keys(self.prefix or f"chaos{uuid.uuid4().hex[:8]}")
         self.r = self.client()
         self.dataset = write_dataset(self.root / "dataset.jsonl", self.rows)
         self.proxy_port = free_port()
@@ -251,6 +265,9 @@ class Cluster:
         assert name not in self.procs or not self.procs[name].alive(), f"{name} is already running"
         log = self.root / "logs" / f"{name}.log"
         full_env = {**clean_env(), "DRESSAGE_CONSUMER": name, **(env or {})}
+        if self.users is not None and service in self.users:
+            full_env.setdefault("REDIS_URL", f"redis://{service}@127.0.0.1:{self.redis.port}/0")
+            full_env.setdefault("REDIS_PASSWORD", self.users[service])
         if self.password is not None:
             full_env.setdefault("REDIS_PASSWORD", self.password)
         with log.open("ab") as out:
