@@ -12,6 +12,10 @@ of a live worker is never reclaimed. ``burst``: process what is available (inclu
 retries), then return 0.
 SIGTERM (``StopFlag``): read nothing more, give groups in hand ``grace_period_s`` to finish and
 hand off, cancel the rest (their entries stay pending), return 0.
+Proxy outage (``rollout.hold_on_proxy_outage``): a group that failed only because the proxy refused
+the connection is an infrastructure fault, not the trajectory's: its entry stays pending, no attempt
+is consumed, and the worker backs off (capped) before reading it again, so restarting the proxy never
+burns the retry budget of every group in flight. Burst mode uses the retry path instead, so it ends.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from shared.telemetry import Heartbeat, report_metrics
 log = logging.getLogger(__name__)
 SERVICE = "rollout-worker"
 POLL_S = 0.25  # how often the loop looks at the stop flag while groups run
+PROXY_DOWN = "proxy_unreachable"  # connection refused: the proxy is down, the trajectory did nothing wrong
+HOLD_BACKOFF_MAX_S = 10.0
 
 
 class RolloutWorker:
@@ -57,6 +63,8 @@ class RolloutWorker:
         self._next_reclaim = 0.0
         self._next_touch = 0.0
         self._errors = 0  # consecutive Redis errors (backoff)
+        self._proxy_down = 0  # consecutive groups held because the proxy refused connections
+        self._burst = False
 
     def run(self, burst: bool = False) -> int:
         """Run the loop (until stopped, or until drained with ``burst``), then close the proxy client."""
@@ -169,6 +177,9 @@ class RolloutWorker:
             rollout = await self.runner.run(group)
         except GroupFailed as gf:
             f = gf.failure
+            if f.code == PROXY_DOWN and self.cfg.hold_on_proxy_outage and not self._burst:
+                await self._hold(entry, group, f.text)
+                return
             await self._fail(entry, group, f.code, f.text, f.retryable, gf.started_at)
             return
         except Exception as exc:  # poison guard: a bug in a task plugin/runner fails the group, never the loop
@@ -177,6 +188,7 @@ class RolloutWorker:
             await self._fail(entry, group, "internal_error", f"internal_error: {type(exc).__name__}: {exc}",
                              True, started)
             return
+        self._proxy_down = 0
         if not await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
             return self._skip(group, entry)
         await asyncio.to_thread(commit_completed, self.r, self.keys, entry.id, rollout)
@@ -192,6 +204,19 @@ class RolloutWorker:
             "rollout/group_seconds": round(seconds, 4), "rollout/reward_mean": rollout.reward_mean,
             "rollout/num_trajectories": group.n_samples, "rollout/num_segments": len(rollout.samples),
             "group_id": group.group_id, "attempt": group.attempt, "consumer": self.consumer})
+
+    async def _hold(self, entry: Entry, group: PromptGroup, error: str) -> None:
+        """Leave the entry pending (no attempt consumed) and back off until the proxy may be back."""
+        self._proxy_down += 1
+        delay = min(HOLD_BACKOFF_MAX_S, 0.25 * 2 ** min(self._proxy_down, 8))
+        self.counts["held"] += 1
+        prom.GROUPS.labels("held_proxy_down").inc()
+        log.warning("proxy down: group kept pending, no attempt consumed group_id=%s attempt=%d entry_id=%s "
+                    "retry_in=%.1fs error=%s", group.group_id, group.attempt, entry.id.decode(), delay, error[:200])
+        deadline = time.monotonic() + delay
+        while not self.stop.is_set and time.monotonic() < deadline:
+            await asyncio.sleep(min(POLL_S, deadline - time.monotonic()))
+        self.reader.reset()  # the held entry is ours and pending: the next read returns it again
 
     def _skip(self, group: PromptGroup, entry: Entry) -> None:
         self.counts["skipped"] += 1
@@ -242,6 +267,7 @@ class RolloutWorker:
     # -- the loop --------------------------------------------------------------------------------
 
     async def run_async(self, burst: bool = False) -> int:
+        self._burst = burst
         in_flight: dict[asyncio.Task[None], Entry] = {}
         read: asyncio.Task[list[Entry] | None] | None = None
         starved = False  # burst: the last read found nothing; read again only after a group finishes

@@ -13,7 +13,7 @@ import redis
 
 from services.rollout_worker import commit as commit_mod
 from services.rollout_worker import metrics as prom
-from services.rollout_worker.errors import STALENESS_EXCEEDED
+from services.rollout_worker.errors import STALENESS_EXCEEDED, TrajectoryFailed
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient
 from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import RolloutWorker
@@ -293,3 +293,49 @@ def test_stopped_worker_reads_nothing_new(r: redis.Redis, keys: Keys) -> None:
     w.stop.set()
     assert w.run(burst=False) == 0
     assert rollouts(r, keys) == [] and pending(r, keys) == 0
+
+
+class _DownThenUp(FakeProxyClient):
+    """A proxy that refuses connections for its first ``down`` calls, then answers."""
+
+    def __init__(self, fake: FakeProxy, down: int) -> None:
+        super().__init__(fake)
+        self.down = down
+
+    async def chat(self, session_id: str, messages: Any, max_tokens: int, temperature: float) -> str:
+        if self.down > 0:
+            self.down -= 1
+            raise TrajectoryFailed("proxy_unreachable", "POST /v1/chat/completions: ConnectError", retryable=True)
+        return await super().chat(session_id, messages, max_tokens, temperature)
+
+
+def test_proxy_outage_keeps_the_group_pending_without_consuming_an_attempt(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    conf = RolloutConfig(block_ms=20, max_retries=0)  # a consumed attempt would dead-letter at once
+    stop = StopFlag()
+    w = RolloutWorker(r, keys, conf, GroupRunner(_DownThenUp(FakeProxy(reply=solve), down=3), conf, "w1"), "w1",
+                      stop=stop, backoff_max_s=0.05)
+
+    async def run() -> None:
+        task = asyncio.create_task(w.run_async())
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            if r.xlen(keys.rollouts):
+                break
+        stop.set()
+        await task
+
+    asyncio.run(run())
+    [out] = rollouts(r, keys)
+    assert out.status == "completed" and out.attempt == 0 and w.counts["held"] >= 1
+    assert r.xlen(keys.dead) == 0 and pending(r, keys) == 0
+    assert not any(fields.get(b"attempt") == b"1" for _, fields in r.xrange(keys.prompts))
+
+
+def test_burst_mode_sends_a_proxy_outage_into_the_retry_path(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    conf = RolloutConfig(block_ms=20, max_retries=0)
+    w = RolloutWorker(r, keys, conf, GroupRunner(_DownThenUp(FakeProxy(reply=solve), down=100), conf, "w1"), "w1",
+                      stop=StopFlag(), backoff_max_s=0.05)
+    assert w.run(burst=True) == 0
+    assert r.xlen(keys.dead) == 1 and w.counts["held"] == 0
