@@ -6,26 +6,15 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
-from harness import REPO, Cluster, build_model, clean_env, wait_until
+from harness import REPO, Cluster, Engine, build_model, clean_env, wait_until
 
 from shared.redisproc import free_port
-
-
-@dataclass
-class Engine:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def counters(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.url}/get_server_info", timeout=10).json())
 
 
 @pytest.fixture(scope="session")

@@ -126,6 +126,19 @@ class Proc:
             return ""
 
 
+@dataclass
+class Engine:
+    """The session's shared engine process (tests/chaos/conftest.py)."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def counters(self) -> dict[str, Any]:
+        """``/get_server_info``: scheduler counters, ``requests`` = generations accepted since start."""
+        return dict(httpx.get(f"{self.url}/get_server_info", timeout=10).json())
+
+
 class Recorder:
     """Tails the history streams into a ``History`` every ``period`` s; rides out Redis outages."""
 

@@ -22,8 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import Engine
-from harness import Cluster
+from harness import Cluster, Engine
 
 N_REQUESTS = int(os.environ.get("CHAOS_PROXY_REQUESTS", "10000"))
 WARMUP = 500
