@@ -13,6 +13,7 @@ Waiting is always polling a condition in Redis or over HTTP (``wait_until``), ne
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -153,6 +154,11 @@ class Recorder:
     def start(self) -> Recorder:
         self._thread.start()
         return self
+
+    def attempts(self) -> dict[str, set[int]]:
+        """group id -> attempts enqueued so far (a copy, safe to read while the recorder runs)."""
+        with self.lock:
+            return {g: set(a) for g, a in self.history.attempts.items()}
 
     def sync(self, r: redis.Redis) -> None:
         with self.lock:
@@ -371,9 +377,10 @@ class Cluster:
 
     def verdict(self, allow_trimmed: bool = False) -> History:
         """The recorded history plus everything Redis holds now (live and missing entries marked)."""
-        with self.recorder.lock:
-            return collect(self.r, self.keys, into=self.recorder.history, max_retries=self.max_retries,
-                           allow_trimmed=allow_trimmed)
+        with self.recorder.lock:  # a snapshot: the recorder goes on feeding its own copy
+            h = collect(self.r, self.keys, into=self.recorder.history, max_retries=self.max_retries,
+                        allow_trimmed=allow_trimmed)
+            return copy.deepcopy(h)
 
     def explain(self) -> str:
         return f"{self.verdict().render()}\nstats={self.stats()}\nfaults={self.faults}\n{self.logs()}"

@@ -135,7 +135,7 @@ def test_retry_counts_survive_a_redis_restart_and_the_budget_holds(make_cluster:
         c.start("group-collector", "collector")
         c.start("rollout-worker", "w1")
         # Attempt 0 failed and attempt 1 is enqueued: now crash the worker and Redis together.
-        wait_until(lambda: any(1 in a for a in c.recorder.history.attempts.values()), 60, "a retry", c.explain)
+        wait_until(lambda: any(1 in a for a in c.recorder.attempts().values()), 60, "a retry", c.explain)
         c.kill("w1")
         c.restart_redis()
         c.start("rollout-worker", "w2")

@@ -15,6 +15,8 @@ from harness import Cluster, wait_until
 from shared.codec import decode_entry
 from shared.schemas import RolloutGroup
 
+LONG_GROUPS = {"rollout": {"max_new_tokens": 48}}  # a group takes long enough to be caught in the middle
+
 
 def held_groups(c: Cluster, consumer: str) -> list[tuple[str, str]]:
     """(entry id, group id) of the prompt entries ``consumer`` holds pending."""
@@ -36,17 +38,21 @@ def reclaimed(c: Cluster, worker: str, entry_id: str) -> bool:
     return any("reclaimed" in line and f"'{entry_id}'" in line for line in c.procs[worker].tail(10**6).splitlines())
 
 
-def start_first_worker_holding_a_group(c: Cluster) -> tuple[str, str]:
-    """Everything but the other workers; returns what w1 holds once it holds something."""
+def stop_first_worker_holding_a_group(c: Cluster, sig: int) -> tuple[str, str]:
+    """The pipeline with one worker; once w1 holds a group, send it ``sig`` (SIGKILL/SIGSTOP) and return
+    (entry id, group id) of a group it holds *after* the signal — read, never handed off."""
     c.start_pipeline(workers=1)
-    return wait_until(lambda: (held_groups(c, "w1") or [None])[0], 60, "w1 to hold a group", c.explain, period=0.02)
+    wait_until(lambda: held_groups(c, "w1"), 60, "w1 to hold a group", c.explain, period=0.02)
+    c.signal("w1", sig)
+    held = held_groups(c, "w1")  # definitive now: w1 can no longer commit
+    assert held, "w1 handed its group off just before the signal; nothing to reclaim"
+    return held[0]
 
 
 def test_sigkilled_worker_group_is_reclaimed_by_another_and_trained_exactly_once(
         make_cluster: Callable[..., Cluster]) -> None:
-    with make_cluster(rows=6) as c:
-        entry_id, group_id = start_first_worker_holding_a_group(c)
-        c.kill("w1")
+    with make_cluster(rows=6, overrides=LONG_GROUPS) as c:
+        entry_id, group_id = stop_first_worker_holding_a_group(c, signal.SIGKILL)
         assert not rollouts_of(c, group_id), "the group was handed off before the kill"
         c.start("rollout-worker", "w2")
         c.wait_settled(timeout=90)
@@ -60,9 +66,8 @@ def test_sigkilled_worker_group_is_reclaimed_by_another_and_trained_exactly_once
 
 def test_sigstopped_worker_resumed_after_reclaim_leaves_its_group_in_exactly_one_batch(
         make_cluster: Callable[..., Cluster]) -> None:
-    with make_cluster(rows=6) as c:
-        entry_id, group_id = start_first_worker_holding_a_group(c)
-        c.signal("w1", signal.SIGSTOP)
+    with make_cluster(rows=6, overrides=LONG_GROUPS) as c:
+        entry_id, group_id = stop_first_worker_holding_a_group(c, signal.SIGSTOP)
         c.start("rollout-worker", "w2")
         # w2 reclaims the entry once it has been idle for claim_idle_ms, rolls it out and hands it off.
         wait_until(lambda: rollouts_of(c, group_id), 60, f"w2 to finish {group_id}", c.explain)
