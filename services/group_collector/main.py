@@ -3,46 +3,34 @@
 from __future__ import annotations
 
 import argparse
-import logging
+from collections.abc import Callable
 
 from services.group_collector.collector import SERVICE, GroupCollector
 from services.group_collector.core import CollectorCore
-from shared.config import load_config
-from shared.errors import ConfigError, RedisAuthFailed
+from shared.config import DressageConfig
+from shared.entry import run_service
 from shared.lifecycle import StopFlag
-from shared.logs import setup_logging
-from shared.retry import check_redis
 from shared.staleness import StalenessGroupFilter, StalenessTracker, config_from_value
 from shared.streams import consumer_name
 from shared.telemetry import MetricGauges
 
-log = logging.getLogger(__name__)
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dressage group-collector", description=__doc__)
-    parser.add_argument("--config", default=None, help="deployment YAML (default: built-in defaults)")
-    parser.add_argument("--burst", action="store_true", help="process the rollouts available now, then exit 0")
-    args = parser.parse_args(argv)
-    setup_logging(SERVICE)
-    try:
-        cfg = load_config(args.config)
-        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
-    except (ConfigError, RedisAuthFailed) as exc:
-        log.error("cannot start: %s", exc)
-        return 2
+def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     tracker = StalenessTracker(config_from_value(cfg.staleness.keep_versions))
     core = CollectorCore(StalenessGroupFilter(tracker, "collector"), cfg.train.groups_per_batch,
                          cfg.rollout.max_retries)
     c = cfg.collector
     port = cfg.ops.metrics_port_base + 3 if cfg.ops.metrics_port_base else None
-    collector = GroupCollector(cfg.redis.client(), cfg.keys(), core, consumer=consumer_name(SERVICE),
-                               default_keep_versions=cfg.staleness.keep_versions,
-                               order_by_published=cfg.staleness.order_by_published,
-                               max_ready_batches=c.max_ready_batches, claim_idle_ms=c.claim_idle_ms,
-                               block_ms=c.block_ms, read_count=c.read_count, control_poll_s=c.control_poll_s,
-                               trim_interval_s=c.trim_interval_s, metrics_interval_s=c.metrics_interval_s,
-                               burst=args.burst, heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s,
-                               redis_factory=cfg.redis.client, stop=StopFlag().install(),
-                               gauges=None if args.burst else MetricGauges(port))
-    return collector.run()
+    return GroupCollector(cfg.redis.client(), cfg.keys(), core, consumer=consumer_name(SERVICE),
+                          default_keep_versions=cfg.staleness.keep_versions,
+                          order_by_published=cfg.staleness.order_by_published,
+                          max_ready_batches=c.max_ready_batches, claim_idle_ms=c.claim_idle_ms,
+                          block_ms=c.block_ms, read_count=c.read_count, control_poll_s=c.control_poll_s,
+                          trim_interval_s=c.trim_interval_s, metrics_interval_s=c.metrics_interval_s,
+                          burst=args.burst, heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s,
+                          redis_factory=cfg.redis.client, stop=StopFlag().install(),
+                          gauges=None if args.burst else MetricGauges(port)).run
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service(SERVICE, argv, build, doc=__doc__, burst_help="process the rollouts available now, then exit 0")

@@ -3,36 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import logging
+from collections.abc import Callable
 
 from services.prompt_buffer.buffer import SERVICE, PromptBuffer
 from services.prompt_buffer.pacing import PacingPolicy, groups_per_version
 from services.prompt_buffer.schedule import Schedule
-from shared.config import load_config
-from shared.errors import ConfigError, RedisAuthFailed
+from shared.config import DressageConfig
+from shared.entry import run_service
 from shared.lifecycle import StopFlag
-from shared.logs import setup_logging
-from shared.retry import check_redis
 from shared.streams import consumer_name
 from shared.tasks.dataset import DatasetError, load_dataset
 from shared.telemetry import MetricGauges
 
-log = logging.getLogger(__name__)
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dressage prompt-buffer", description=__doc__)
-    parser.add_argument("--config", default=None, help="deployment YAML (default: built-in defaults)")
-    parser.add_argument("--burst", action="store_true", help="emit what pacing allows now, then exit 0")
-    args = parser.parse_args(argv)
-    setup_logging(SERVICE)
-    try:
-        cfg = load_config(args.config)
-        rows = load_dataset(cfg.prompt_buffer.dataset)
-        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
-    except (ConfigError, DatasetError, OSError, RedisAuthFailed) as exc:
-        log.error("cannot start: %s", exc)
-        return 2
+def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
+    rows = load_dataset(cfg.prompt_buffer.dataset)
     policy = PacingPolicy(cfg.pacing.max_versions_ahead,
                           groups_per_version(cfg.train.groups_per_batch, cfg.train.update_weights_interval),
                           cfg.pacing.max_in_flight_groups)
@@ -43,4 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                           poll_s=cfg.prompt_buffer.poll_s, max_stream_len=cfg.prompt_buffer.max_stream_len,
                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, redis_factory=cfg.redis.client,
                           stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port))
-    return buffer.run()
+    return buffer.run
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service(SERVICE, argv, build, doc=__doc__, burst_help="emit what pacing allows now, then exit 0",
+                       expected=(DatasetError, OSError))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import start_http_server
 
@@ -13,32 +15,22 @@ from services.rollout_worker.metrics import PORT_OFFSET
 from services.rollout_worker.proxy_client import HttpProxyClient
 from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import SERVICE, RolloutWorker
-from shared.config import load_config
-from shared.errors import ConfigError, RedisAuthFailed
+from shared.config import DressageConfig
+from shared.entry import run_service
 from shared.lifecycle import StopFlag
-from shared.logs import setup_logging
-from shared.retry import check_redis
 from shared.streams import consumer_name
 
 log = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dressage rollout-worker", description=__doc__)
-    parser.add_argument("--config", help="deployment YAML (default: built-in defaults + env overrides)")
-    parser.add_argument("--burst", action="store_true", help="process what is in the stream, then exit 0")
+def _args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer", help="consumer name (default: <hostname>-<pid>)")
     parser.add_argument("--replica", type=int, default=int(os.environ.get("DRESSAGE_REPLICA", "0")),
                         help="replica index, offsets the Prometheus port")
-    args = parser.parse_args(argv)
-    setup_logging(SERVICE)
-    try:
-        cfg = load_config(args.config)
-        check_agent_command(cfg.rollout.agent_command)
-        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
-    except (ConfigError, RedisAuthFailed) as exc:
-        log.error("%s", exc)
-        return 2
+
+
+def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
+    check_agent_command(cfg.rollout.agent_command)
     consumer = args.consumer or consumer_name(SERVICE)
     if cfg.ops.metrics_port_base:
         start_http_server(cfg.ops.metrics_port_base + PORT_OFFSET + args.replica)
@@ -48,4 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     worker = RolloutWorker(cfg.redis.client(), cfg.keys(), cfg.rollout, runner, consumer, StopFlag().install(),
                            heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, backoff_max_s=cfg.redis.reconnect_backoff_max_s)
     log.info("rollout-worker starting consumer=%s proxy=%s burst=%s", consumer, cfg.rollout.proxy_url, args.burst)
-    return worker.run(burst=args.burst)
+    return partial(worker.run, burst=args.burst)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service(SERVICE, argv, build, doc=__doc__, burst_help="process what is in the stream, then exit 0",
+                       extra_args=_args)
