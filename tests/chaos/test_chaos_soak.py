@@ -103,7 +103,9 @@ def test_soak_with_random_kills_conserves_every_group_and_keeps_streams_and_memo
         # Memory: the live data (bounded streams above, capped dead/metrics/trained/log streams holding a
         # few hundred short entries in a run this long) fits in a few MB over the empty baseline.
         assert peak["memory"] - baseline["memory"] < 16 * 2**20, (baseline, peak)
-        c.record_figures("soak", kills=len(driver.kills), soak_s=SOAK_S, drain_s=round(drained_s, 1),
+        c.record_figures("soak", **{k: s[k] for k in ("produced", "trained", "dead_lettered", "reenqueued", "lost",
+                                                      "duplicated")},
+                         kills=len(driver.kills), soak_s=SOAK_S, drain_s=round(drained_s, 1),
                          written=written, window=window, peak=peak, baseline_memory=baseline["memory"],
                          dead_by_reason=s["dead_by_reason"], max_attempt=s["max_attempt"],
                          recorder_saw_produced=seen_produced)
