@@ -65,10 +65,12 @@ def test_soak_with_random_kills_conserves_every_group_and_keeps_streams_and_memo
         driver = ChaosDriver(c, VICTIMS, period=(2.0, 4.0), down_s=0.5, seed=int(os.environ.get("CHAOS_SEED", "1")))
         t0 = time.monotonic()
         driver.start()
-        while time.monotonic() - t0 < SOAK_S:
-            samples.append(sample(c))  # a sampling period, not a wait for a condition
-            time.sleep(0.5)
-        driver.stop()
+        try:
+            while time.monotonic() - t0 < SOAK_S:
+                samples.append(sample(c))  # a sampling period, not a wait for a condition
+                time.sleep(0.5)
+        finally:
+            driver.stop()  # never leave it restarting services behind a failed test
         c.restart_dead()
         c.wait_up(*c.procs)
         assert c.terminate("prompt-buffer") == 0  # no new admissions: drain what is in flight
