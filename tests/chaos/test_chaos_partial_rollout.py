@@ -20,12 +20,12 @@ from shared.staleness import real_version
 
 def test_trajectories_spanning_weight_updates_record_every_tokens_version_and_nothing_is_lost_or_doubled(
         make_cluster: Callable[..., Cluster]) -> None:
-    with make_cluster(rows=12, overrides={"rollout": {"max_new_tokens": 80, "concurrency": 2},
+    with make_cluster(rows=16, overrides={"rollout": {"max_new_tokens": 80, "concurrency": 2},
                                           "pacing": {"max_in_flight_groups": 8}}) as c:
         c.start_pipeline(workers=3)
         c.wait_settled(timeout=150)
         h = c.verdict()
-        assert h.ok and h.summary()["trained"] + h.summary()["dead_lettered"] == 12, c.explain()
+        assert h.ok and h.summary()["trained"] + h.summary()["dead_lettered"] == 16, c.explain()
         groups = [decode_entry(f, RolloutGroup) for _, f in c.r.xrange(c.keys.rollouts)]
         completed = [g for g in groups if g.status == "completed"]
         multi = 0
