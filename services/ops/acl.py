@@ -33,9 +33,10 @@ RULES: dict[str, dict[str, tuple[str, ...]]] = {
     "rollout-worker": {"rw": ("prompts", "rollouts"), "ro": ("weights:*", "control"), "channels": ("weights",)},
     "group-collector": {"rw": ("prompts", "rollouts", "batches", "collector:*"), "ro": ("weights:*", "control"),
                         "channels": ("weights",)},
-    "trainer": {"rw": ("batches", "weights:*", "trainer:*"), "ro": ("control",), "channels": ("weights",)},
+    # eval:* holds {p}:eval:pinned (shared/evaluation.py): the trainer pins and reads, the eval worker unpins.
+    "trainer": {"rw": ("batches", "weights:*", "trainer:*", "eval:*"), "ro": ("control",), "channels": ("weights",)},
     "proxy": {"rw": (), "ro": ("weights:*", "control"), "channels": ("weights",)},
-    "eval-worker": {"rw": (), "ro": (), "channels": ()},
+    "eval-worker": {"rw": ("eval:*",), "ro": (), "channels": ()},
     "ops": {"rw": (), "ro": ("*",), "channels": ()},  # dressage status / report: read everything
 }
 PUBLISHERS = {"trainer"}  # the only service allowed to PUBLISH (the weights wake-up)

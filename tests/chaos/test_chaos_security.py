@@ -3,8 +3,8 @@
 * Every service logs in with ``REDIS_PASSWORD``; a wrong or missing one stops it at once (exit 2)
   with a message naming the setting — never a reconnect loop, never the secret itself.
 * ``redis.require_password`` refuses empty and well-known default passwords.
-* ``configs/redis-acl.conf``: the whole pipeline runs under one ACL user per service without a
-  single denial, while the rollout worker's user cannot FLUSHALL, publish weights or touch
+* ``configs/redis-acl.conf`` and the ``services.ops.acl`` generator: the whole pipeline runs under
+  one ACL user per service without a single denial, while the rollout worker's user cannot FLUSHALL, publish weights or touch
   the weight key, and can do its own XREADGROUP/XADD/XACK.
 * msgpack bodies and containers beyond explicit limits are refused as ``MalformedEntry``;
   extension types (the only door to custom deserialisation) are refused outright.
@@ -23,6 +23,7 @@ import redis
 from harness import REPO, Cluster, render_acl
 from rollout_factory import prompt_group
 
+from services.ops import acl as ops_acl
 from shared import codec
 from shared.codec import decode_entry, encode_entry
 from shared.config import DEV_PASSWORDS, load_config
@@ -76,10 +77,21 @@ def test_require_password_refuses_a_missing_one_and_accepts_a_strong_one() -> No
 ACL_USERS = ("prompt-buffer", "rollout-worker", "group-collector", "trainer", "proxy", "eval-worker", "ops")
 
 
+def acl_file(source: str, users: dict[str, str], out: Path) -> Path:
+    """The ACL file from ``configs/redis-acl.conf`` or from ``services.ops.acl``'s generator, with an
+    unrestricted password-less default user for the test harness (loopback only)."""
+    if source == "configs/redis-acl.conf":
+        return render_acl(REPO / source, users, out)
+    text = ops_acl.render("dressage", users)
+    out.write_text(text.replace("user default off resetkeys resetchannels -@all", "user default on nopass ~* &* +@all"))
+    return out
+
+
+@pytest.mark.parametrize("source", ["configs/redis-acl.conf", "services.ops.acl"])
 def test_pipeline_runs_under_per_service_acl_users_and_the_rollout_worker_user_cannot_flushall_or_publish(
-        make_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
+        make_cluster: Callable[..., Cluster], tmp_path: Path, source: str) -> None:
     users = {u: secrets.token_hex(12) for u in ACL_USERS}
-    acl = render_acl(REPO / "configs" / "redis-acl.conf", users, tmp_path / "users.acl")
+    acl = acl_file(source, users, tmp_path / "users.acl")
     with make_cluster(rows=4, prefix="dressage", users=users, redis_extra=["--aclfile", str(acl)]) as c:
         c.start_pipeline(workers=1)
         c.wait_settled(timeout=120)
