@@ -23,7 +23,7 @@ REWARD = ("train/reward_mean", "train/reward", "reward_mean", "reward/mean")
 LOGPROB_DIFF = ("train/train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff")
 EVAL_ACC = ("eval/accuracy", "eval_accuracy")
 EVAL_REWARD = ("eval/reward", "eval/reward_mean")
-GAP = ("staleness/version_gap", "train/version_gap")  # prefixes of *_mean/_max/_hist
+GAP = ("train/version_gap", "staleness/version_gap")  # the trainer's gap is the one at training time  # prefixes of *_mean/_max/_hist
 SPAN = ("staleness/version_span", "train/version_span")
 # {p}:stats counters (ops rows carry them as stats/<name>) shown over time and in the summary.
 COUNTERS = ("groups_produced", "groups_trained", "groups_dropped_stale", "groups_reenqueued",
@@ -118,10 +118,13 @@ def histogram(rows: Iterable[Row], prefixes: Sequence[str]) -> Counter[float]:
     if exact:
         return exact
     coarse: Counter[float] = Counter()
-    for r in rows:
-        v = pick(r, [f"{p}_max" for p in prefixes])
-        if v is not None:
-            coarse[v] += 1
+    for p in prefixes:  # one source only: the collector's and the trainer's gaps are taken at other times
+        for r in rows:
+            v = pick(r, [f"{p}_max"])
+            if v is not None:
+                coarse[v] += 1
+        if coarse:
+            break
     return coarse
 
 

@@ -13,6 +13,7 @@ Contract:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -132,11 +133,23 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
     return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device))
 
 
+def version_gap_hist(batches: Sequence[Batch], current_version: int) -> dict[str, int]:
+    """Trajectories per gap ``current_version - end version`` ({"0": n0, "1": n1, ...}) over the step."""
+    return {str(g): n for g, n in sorted(Counter(_gaps(batches, current_version)).items())}
+
+
 def version_gap(batches: Sequence[Batch], current_version: int) -> tuple[float, int] | None:
     """Mean and max of ``current_version - end version`` over the step's trajectories.
 
     Only integer end versions count (the trainer publishes "0", "1", ...); None when there is none.
     """
+    gaps = _gaps(batches, current_version)
+    if not gaps:
+        return None
+    return sum(gaps) / len(gaps), max(gaps)
+
+
+def _gaps(batches: Sequence[Batch], current_version: int) -> list[int]:
     gaps: list[int] = []
     for batch in batches:
         for group in batch.groups:
@@ -145,6 +158,4 @@ def version_gap(batches: Sequence[Batch], current_version: int) -> tuple[float, 
                     gaps.append(current_version - int(info.version))
                 except ValueError:
                     continue
-    if not gaps:
-        return None
-    return sum(gaps) / len(gaps), max(gaps)
+    return gaps

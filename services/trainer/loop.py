@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from services.trainer.batching import InvalidBatch, version_gap
+from services.trainer.batching import InvalidBatch, version_gap, version_gap_hist
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_state
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
@@ -225,6 +225,8 @@ class TrainerLoop:
                         "train/batch_id": batch.batch_id})
         if gap is not None:
             metrics["train/version_gap_mean"], metrics["train/version_gap_max"] = gap
+            # exact per-trajectory counts, so `dressage report` draws a true histogram
+            metrics["train/version_gap_hist"] = version_gap_hist([batch], max(self.version, 0))
         if published is not None:
             metrics["train/published_version"] = str(published)  # the per-version marker
         report_metrics(self.r, self.keys, SERVICE, metrics, maxlen=self.cfg.ops.metrics_maxlen)

@@ -212,3 +212,12 @@ def test_entry_points_refuse_a_bad_config_with_exit_code_2(tmp_path: Path) -> No
         assert eval_main(["--config", str(tmp_path / "missing.yaml")]) == 2
     finally:
         root.handlers[:], root.level = handlers, level
+
+
+def test_version_gap_hist_counts_trajectories_per_gap() -> None:
+    from services.trainer.batching import version_gap_hist
+
+    b = batch("b1")
+    gaps = [4 - int(v) for g in b.groups for v in g.end_versions if v.isdigit()]
+    assert version_gap_hist([b], 4) == {str(k): gaps.count(k) for k in sorted(set(gaps))}
+    assert sum(version_gap_hist([b], 4).values()) == len(gaps) > 0
