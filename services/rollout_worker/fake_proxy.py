@@ -23,18 +23,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import httpx
 
-from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.proxy_client import (
     MAX_BACKPRESSURE_RETRIES,
     OVER_CAPACITY,
     ChatMessages,
+    SessionCalls,
     chat_reply,
     proxy_error,
     retry_after,
+    session_path,
 )
 from shared.sample_versions import version_spans
 
@@ -160,7 +161,7 @@ class FakeProxy:
         return httpx.MockTransport(handler)
 
 
-class FakeProxyClient:
+class FakeProxyClient(SessionCalls):
     """``ProxyClient`` calling a ``FakeProxy`` directly (no HTTP), errors mapped like the HTTP client."""
 
     def __init__(self, fake: FakeProxy, base_url: str = "http://fake-proxy") -> None:
@@ -186,18 +187,11 @@ class FakeProxyClient:
         body = await self._call("POST", "/v1/chat/completions", session_id, json.dumps({"messages": messages}).encode())
         return chat_reply(body, session_id)
 
+    async def _send(self, method: str, path: str, session_id: str) -> Any:
+        return await self._call(method, path, session_id)
+
     async def finalize(self, session_id: str) -> dict[str, Any]:
-        return dict(await self._call("POST", f"/v1/sessions/{quote(session_id, safe='')}/finalize", session_id))
-
-    async def delete_session(self, session_id: str) -> None:
-        try:
-            await self._call("DELETE", f"/v1/sessions/{quote(session_id, safe='')}", session_id)
-        except TrajectoryFailed as exc:
-            if exc.code != "unknown_session":
-                raise
-
-    def agent_base_url(self, session_id: str) -> str:
-        return f"{self.base_url}/s/{quote(session_id, safe='')}/v1"
+        return dict(await self._send("POST", session_path(session_id, "/finalize"), session_id))
 
     async def aclose(self) -> None:
         return None

@@ -56,6 +56,30 @@ class ProxyClient(Protocol):
     async def aclose(self) -> None: ...
 
 
+def session_path(session_id: str, suffix: str = "") -> str:
+    """``/v1/sessions/{id}{suffix}`` with the id URL-quoted."""
+    return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+
+
+class SessionCalls:
+    """The session calls every ``ProxyClient`` makes the same way, on top of its ``_send``."""
+
+    base_url: str
+
+    async def _send(self, method: str, path: str, session_id: str) -> Any:
+        raise NotImplementedError
+
+    async def delete_session(self, session_id: str) -> None:
+        try:
+            await self._send("DELETE", session_path(session_id), session_id)
+        except TrajectoryFailed as exc:
+            if exc.code != "unknown_session":
+                raise
+
+    def agent_base_url(self, session_id: str) -> str:
+        return f"{self.base_url}/s/{quote(session_id, safe='')}/v1"
+
+
 def _detail(body: Any) -> dict[str, Any]:
     """The error object of a proxy error body: ``detail`` when it is a dict, else the top level."""
     if isinstance(body, dict):
@@ -97,7 +121,7 @@ def chat_reply(body: Any, session_id: str) -> str:
     return content if isinstance(content, str) else ""
 
 
-class HttpProxyClient:
+class HttpProxyClient(SessionCalls):
     """``ProxyClient`` over HTTP with one shared ``httpx.AsyncClient`` (connection pooling)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0,
@@ -137,22 +161,15 @@ class HttpProxyClient:
                                    headers={"X-Session-Id": session_id})
         return chat_reply(resp.json(), session_id)
 
+    async def _send(self, method: str, path: str, session_id: str) -> Any:
+        resp = await self._request(method, path, session_id)
+        return resp.json() if resp.content else None  # DELETE may answer with an empty body
+
     async def finalize(self, session_id: str) -> dict[str, Any]:
-        resp = await self._request("POST", f"/v1/sessions/{quote(session_id, safe='')}/finalize", session_id)
-        body = resp.json()
+        body = await self._send("POST", session_path(session_id, "/finalize"), session_id)
         if not isinstance(body, dict):
             raise TrajectoryFailed("invalid_proxy_response", "session body is not an object", session_id=session_id)
         return body
-
-    async def delete_session(self, session_id: str) -> None:
-        try:
-            await self._request("DELETE", f"/v1/sessions/{quote(session_id, safe='')}", session_id)
-        except TrajectoryFailed as exc:
-            if exc.code != "unknown_session":
-                raise
-
-    def agent_base_url(self, session_id: str) -> str:
-        return f"{self.base_url}/s/{quote(session_id, safe='')}/v1"
 
     async def aclose(self) -> None:
         await self._http.aclose()
