@@ -98,6 +98,9 @@ class ProxyConfig(Section):
     follow_versions: bool = True  # follow the version bus ({p}:weights) and load new weights into the engines
     max_sessions: int = Field(default=100_000, ge=1, le=10_000_000)  # live sessions; beyond -> 503 over_capacity
     max_turns_per_session: int = Field(default=1000, ge=1, le=1_000_000)  # beyond -> 409 session_conflict
+    # Engines serve the published weights (docs/proxy.md "Engines at the published version"):
+    engine_check_s: float = Field(default=2.0, gt=0, le=300)  # health check of every engine's loaded version
+    engine_sync_wait_s: float = Field(default=10.0, ge=0, le=3600)  # no engine caught up this long -> 503
 
 
 class PromptBufferConfig(Section):
@@ -203,6 +206,7 @@ class EvalConfig(Section):
     job_timeout_s: int = Field(default=1800, ge=10, le=86_400)  # rq job timeout per evaluation
     batch_size: int = Field(default=64, ge=1, le=4096)  # prompts decoded together (greedy)
     device: str = "cpu"  # where the eval worker loads the checkpoint
+    data_root: str = "data"  # the eval worker refuses a job whose dataset resolves outside this directory
 
 
 class OpsConfig(Section):

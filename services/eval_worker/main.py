@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from functools import partial
 
+from services.eval_worker.admission import JobPolicy
 from services.eval_worker.worker import SERVICE, build_worker, run_worker
 from shared.config import DressageConfig
 from shared.entry import run_service
@@ -14,7 +15,8 @@ from shared.streams import consumer_name
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     worker = build_worker(cfg.redis.client(), cfg.keys(), cfg.eval.queue, consumer_name(SERVICE),
-                          cfg.ops.heartbeat_ttl_s)
+                          cfg.ops.heartbeat_ttl_s,
+                          policy=JobPolicy(checkpoint_root=cfg.train.checkpoint_dir, data_root=cfg.eval.data_root))
     return partial(run_worker, worker, args.burst)
 
 

@@ -3,6 +3,11 @@
 Jobs travel JSON-serialised (``shared.evaluation.SERIALIZER``): a job whose payload is not JSON
 fails to deserialise and lands in rq's failed registry; nothing is ever unpickled. rq's ``Worker``
 forks one work horse per job, so a job that crashes or times out never takes the worker down.
+
+Only the evaluation function runs: jobs are ``AdmittedJob``s, whose ``func`` and callbacks are
+resolved only after ``admission.JobPolicy.check`` passed (function name, argument names and
+types, checkpoint and dataset confined to their roots). A refused job (e.g. an enqueued
+``os.system``) fails with ``JobRefused`` in rq's failed registry; nothing of it is imported or called.
 """
 
 from __future__ import annotations
@@ -12,14 +17,51 @@ from typing import Any
 
 import redis
 from rq import Worker
+from rq.job import Job
+from rq.queue import Queue
 
-from shared.evaluation import SERIALIZER, eval_queue
+from services.eval_worker.admission import JobPolicy
+from shared.evaluation import SERIALIZER
 from shared.keys import Keys
 from shared.telemetry import Heartbeat
 
 log = logging.getLogger(__name__)
 
 SERVICE = "eval-worker"
+
+
+class AdmittedJob(Job):
+    """An rq ``Job`` that resolves its function and callbacks only once the policy admitted it."""
+
+    policy: JobPolicy | None = None  # set on the per-worker subclass (``job_class``)
+
+    def _admit(self) -> None:
+        if self.policy is None:
+            raise RuntimeError("AdmittedJob used without a JobPolicy (use job_class_for)")
+        callbacks = (self._success_callback_name, self._failure_callback_name, self._stopped_callback_name)
+        self.policy.check(self.func_name, self.instance is not None, self.args, self.kwargs, callbacks)
+
+    @property
+    def func(self) -> Any:
+        self._admit()
+        return super().func
+
+    @property
+    def success_callback(self) -> Any:
+        self._admit()
+        return super().success_callback
+
+    @property
+    def failure_callback(self) -> Any:
+        return None  # never resolved: an admitted job has none, a refused one must not get one called
+
+    @property
+    def stopped_callback(self) -> Any:
+        return None
+
+
+def job_class_for(policy: JobPolicy) -> type[AdmittedJob]:
+    return type("EvalJob", (AdmittedJob,), {"policy": policy})
 
 
 class EvalWorker(Worker):
@@ -36,9 +78,12 @@ class EvalWorker(Worker):
         return out
 
 
-def build_worker(r: redis.Redis, keys: Keys, queue: str, consumer: str, heartbeat_ttl_s: float) -> EvalWorker:
+def build_worker(r: redis.Redis, keys: Keys, queue: str, consumer: str, heartbeat_ttl_s: float, *,
+                 policy: JobPolicy) -> EvalWorker:
     beat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
-    return EvalWorker([eval_queue(r, queue)], connection=r, serializer=SERIALIZER, beat=beat,
+    job_class = job_class_for(policy)
+    rq_queue = Queue(queue, connection=r, serializer=SERIALIZER, job_class=job_class)
+    return EvalWorker([rq_queue], connection=r, serializer=SERIALIZER, beat=beat, job_class=job_class,
                       name=f"{keys.prefix}-{consumer}")
 
 

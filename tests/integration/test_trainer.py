@@ -12,6 +12,7 @@ import torch
 from rq.job import Job
 from trainer_factory import batch, batch_fields, tiny_model, trainer_config
 
+from services.eval_worker.admission import JobPolicy
 from services.eval_worker.worker import build_worker, run_worker
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.startup import open_trainer
@@ -124,7 +125,8 @@ def test_published_versions_are_evaluated_by_the_rq_worker(
         "every_versions": 2, "dataset": str(dataset), "n_examples": 4, "queue": f"{keys.prefix}-eval"})})
     push(redis_client, keys, "b1", "b2", "b3")
     open_trainer(cfg, redis_client, with_sinks=False).run(burst=True)
-    worker = build_worker(redis_client, keys, cfg.eval.queue, "w1", 15.0)
+    policy = JobPolicy(checkpoint_root=cfg.train.checkpoint_dir, data_root=str(tmp_path))
+    worker = build_worker(redis_client, keys, cfg.eval.queue, "w1", 15.0, policy=policy)
     assert run_worker(worker, burst=True) == 0
     rows = read_metrics(redis_client, keys, "eval")
     assert [m["eval/version"] for m in rows] == [0, 2]  # versions 0 and 2 of 0..3
