@@ -2,7 +2,8 @@
 
 Each ``tick``: append new ``{p}:metrics`` entries to ``<run>/metrics.jsonl``; every
 ``stats_every_s`` report a snapshot of ``{p}:stats`` as service ``ops`` (so drops, retries and dead
-letters over time are in the metrics, for ``dressage report`` of a live or finished run); then draw
+letters over time are in the metrics, for ``dressage report`` of a live or finished run), with the
+engine's and proxy's clocks from ``probe`` (``services.ops.probes``) in the same row; then draw
 one line: step, version, reward, eval accuracy, groups in flight, dropped, retried, dead. On a
 terminal the line is redrawn in place; otherwise a line is written every ``plain_every_s``.
 Redis errors never stop the run: the tick is skipped and the error shown once.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import redis
@@ -58,8 +59,9 @@ def progress_line(rows: Sequence[Mapping[str, Any]], stats: Mapping[str, int], v
 class Progress:
     def __init__(self, r: redis.Redis, keys: Keys, metrics: MetricsLog, max_steps: int | None = None,
                  out: IO[str] | None = None, stats_every_s: float = 5.0, plain_every_s: float = 15.0,
-                 show: bool = True) -> None:
+                 show: bool = True, probe: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.r, self.keys, self.metrics, self.max_steps = r, keys, metrics, max_steps
+        self.probe = probe
         self.out = out or sys.stdout
         self.tty = self.out.isatty()
         self.stats_every_s, self.plain_every_s, self.show = stats_every_s, plain_every_s, show
@@ -78,7 +80,8 @@ class Progress:
             stats = self._stats()
             now = time.monotonic()
             if now - self._last_stats >= self.stats_every_s:
-                report_metrics(self.r, self.keys, "ops", {f"stats/{k}": v for k, v in stats.items()})
+                sampled = dict(self.probe()) if self.probe is not None else {}
+                report_metrics(self.r, self.keys, "ops", {**{f"stats/{k}": v for k, v in stats.items()}, **sampled})
                 self._last_stats = now
             self.metrics.pull(self.r, self.keys)  # after the snapshot, so the log holds it too
             latest = read_latest(self.r, self.keys)

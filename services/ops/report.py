@@ -4,7 +4,8 @@ Input: a run directory holding ``metrics.jsonl`` (written by ``dressage up``), o
 ``{p}:metrics`` stream (``--redis-url`` / ``--prefix``, or ``--config``). Output, in
 ``<RUN>/report/`` (or ``--out``): one PNG per figure, ``summary.txt``, and ``report.html`` -- a
 single self-contained page (PNGs embedded as base64, no external assets) with the summary table.
-The summary table is also printed.
+The summary table is also printed, with where the time went (``services.ops.timing``: trainer
+waiting / training / checkpointing / publishing, engine busy and idle, the workers' wait on the proxy).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.ops import series
+from services.ops import series, timing
 from services.ops.metricslog import load_rows, read_stream
 from shared.config import load_config
 from shared.errors import ConfigError
@@ -55,12 +56,13 @@ img{{max-width:100%}}figure{{margin:1.5em 0}}</style></head>
 """
 
 
-def build_report(rows: Sequence[series.Row], out: Path, title: str) -> ReportFiles:
+def build_report(rows: Sequence[series.Row], out: Path, title: str, slots: int | None = None) -> ReportFiles:
+    """``slots``: rollout workers × concurrency, for the workers' busy fraction (None: left out)."""
     from services.ops.plots import plot_all  # matplotlib only when a report is drawn
 
     out.mkdir(parents=True, exist_ok=True)
     pngs = plot_all(rows, out)
-    table = series.summary(rows)
+    table = series.summary(rows) + timing.summary_pairs(timing.decompose(rows, slots))
     text = series.format_table(table)
     summary = out / "summary.txt"
     summary.write_text(text + "\n", encoding="utf-8")

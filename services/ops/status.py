@@ -3,7 +3,8 @@
 Sections (docs/operations.md gives the redis-cli command behind each): VERSION, WINDOW, STREAMS,
 GROUPS (pending, lag, consumers with idle times), PIPELINE ({p}:stats counters and groups in
 flight), DEAD (by reason), THROUGHPUT ({p}:metrics over the last minute, and {p}:stats deltas
-between two refreshes), LIVENESS (heartbeat keys and their TTLs), ENGINES (HTTP /health and loaded
+between two refreshes), TIME (where the wall-clock goes: the trainer's wait/train/checkpoint/publish
+fractions since it started, the engine's busy fraction over the last minute; ``services.ops.timing``), LIVENESS (heartbeat keys and their TTLs), ENGINES (HTTP /health and loaded
 weight version: the engine speaks SGLang's API and writes nothing to Redis). ``render`` is pure:
 snapshot in, text out. Where to look: ``--redis-url``/``--prefix``, else ``--run DIR`` (its run.json), else
 ``--config``/``REDIS_URL``, else the newest ``dressage up`` run (``runs/latest/run.json``).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.ops import series
+from services.ops import series, timing
 from services.ops.plan import public_url
 from services.ops.snapshot import Snapshot, collect
 from shared.config import load_config
@@ -131,6 +132,7 @@ def render(s: Snapshot, previous: Snapshot | None = None, expected: Sequence[str
     dead = ", ".join(f"{k} {v}" for k, v in s.dead_by_reason.most_common()) or "none"
     out.append(f"DEAD        {dead}")
     out.append("THROUGHPUT  " + "; ".join(_throughput(s, previous)))
+    out.append("TIME        " + timing.one_line(timing.decompose(s.recent)))
     out.append("LIVENESS    service          consumer                      state")
     seen = {b.service for b in s.beats}
     for b in s.beats:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from services.ops.metricslog import MetricsLog
 from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, public_url, run_prefix
+from services.ops.probes import ServiceProbe
 from services.ops.progress import Progress
 from services.ops.redisboot import NoRedisAvailable, resolve_redis
 from services.ops.supervisor import RestartPolicy, RunResult, Supervisor, tail_lines
@@ -158,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
         r = redis.Redis.from_url(handle.url, password=pw, socket_connect_timeout=5, socket_timeout=10)
         keys = Keys(choices.prefix)
-        progress = Progress(r, keys, MetricsLog(run_dir / "metrics.jsonl"), max_steps, show=not args.quiet)
+        proxy_key = cfg.proxy.api_key.get_secret_value() if cfg.proxy.api_key else None
+        probe = ServiceProbe([f"http://{cfg.engine.host}:{choices.engine_port}"],
+                             f"http://{cfg.proxy.host}:{choices.proxy_port}", proxy_token=proxy_key)
+        progress = Progress(r, keys, MetricsLog(run_dir / "metrics.jsonl"), max_steps, show=not args.quiet,
+                            probe=probe.sample)
         sup = Supervisor(specs, restart=args.restart, grace_s=cfg.ops.stop_grace_s,
                          policy=RestartPolicy(max_restarts=cfg.ops.restart_max))
         def finish_evaluation(res: RunResult) -> None:
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_report and (args.demo or result.outcome == "finished"):
             from services.ops.report import build_report
 
-            files = build_report(progress.metrics.rows, run_dir / "report", f"Dressage run {run_dir.name}")
+            files = build_report(progress.metrics.rows, run_dir / "report", f"Dressage run {run_dir.name}",
+                                 slots=choices.workers * cfg.rollout.concurrency)
             sys.stdout.write(f"\n{files.table}\n\nreport: {files.html}\nmetrics: {run_dir / 'metrics.jsonl'}\n")
         return 0 if result.ok else 1
     finally:

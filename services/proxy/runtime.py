@@ -4,6 +4,9 @@
 updater, the session store and the metrics. ``start()`` (in the event loop) binds the updater to
 the loop, probes the engines' loaded version, starts the version-bus watcher thread (when a
 Redis factory is given and ``proxy.follow_versions``), the session-expiry task and the heartbeat;
+While following versions, ``_engine_check_loop`` reads every engine's loaded version each
+``proxy.engine_check_s``: one behind the published version (restarted on its initial weights,
+loaded by someone else, down) is held back from routing and caught up (``WeightUpdater.catch_up``).
 ``stop()`` undoes all of it. ``turn()`` is the one path every generation takes: concurrency slot,
 session, per-session lock, controller, then recording — so a refused turn is never recorded.
 """
@@ -43,8 +46,9 @@ class ProxyRuntime:
         self.metrics = ProxyMetrics()
         self.client = client or EngineClient(cfg.engines, cfg.connect_timeout_s, cfg.request_timeout_s)
         self.controller = GenerationController(self.client, self.metrics, cfg.max_partial_rollout_preempts,
-                                               cfg.request_timeout_s, cfg.pause_timeout_s)
+                                               cfg.request_timeout_s, cfg.pause_timeout_s, cfg.engine_sync_wait_s)
         self.updater = WeightUpdater(self.controller, self.client, self.metrics)
+        self.controller.on_engine_behind = self.updater.catch_up
         self.sessions = SessionStore(cfg.session_ttl_s, cfg.max_sessions, cfg.max_turns_per_session)
         self.limit = ConcurrencyLimit(cfg.max_concurrency)
         self.limits = Limits(cfg.max_tokens_limit, cfg.max_messages, cfg.max_prompt_tokens)
@@ -63,6 +67,7 @@ class ProxyRuntime:
         if self._redis_factory is not None and self._keys is not None and self.cfg.follow_versions:
             self._watcher = VersionWatcher(self._redis_factory, self._keys, self.updater.on_version_threadsafe,
                                            poll_s=1.0).start()
+            self._tasks.append(asyncio.create_task(self._engine_check_loop()))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
         if self._redis_factory is not None and self._keys is not None:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
@@ -86,6 +91,27 @@ class ProxyRuntime:
                 log.info("expired %d idle sessions (ttl %.0fs), e.g. session_id=%s", len(gone),
                          self.cfg.session_ttl_s, gone[0])
                 self.metrics.sessions.set(len(self.sessions))
+
+    async def check_engines(self) -> None:
+        """One pass of the engine health check: hold back (and catch up) every engine not serving the target."""
+        target = self.controller.target
+        if target is None:
+            return  # nothing applied yet: the first update loads every engine
+        timeout = min(self.cfg.engine_check_s, self.updater.check_timeout_s)
+        found = await asyncio.gather(*(self.client.weight_version(u, timeout=timeout) for u in self.client.engines))
+        for url, version in zip(self.client.engines, found, strict=True):
+            if version is None:
+                self.controller.mark_behind(url, "no version answer (down, stopped or restarting)")
+            elif self.controller.learn(url, version):
+                await self.controller.mark_synced(url, version)
+
+    async def _engine_check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.engine_check_s)
+            try:
+                await self.check_engines()
+            except Exception:  # the check must outlive any one bad answer
+                log.exception("engine version check failed")
 
     async def _heartbeat_loop(self) -> None:
         assert self._redis_factory is not None and self._keys is not None
@@ -138,4 +164,6 @@ class ProxyRuntime:
         return {**self.controller.state(), "partial_rollout": self.cfg.partial_rollout,
                 "in_flight_requests": self.limit.in_flight, "sessions": len(self.sessions),
                 "applied_version": self.updater.applied, "last_update": self.updater.last,
+                "weight_update_seconds_total": round(self.updater.pause_seconds_total, 4),
+                "weight_updates_total": self.updater.updates_total,
                 "following_versions": self._watcher is not None}

@@ -9,6 +9,11 @@ knows what the engines run before any token of a resumed chunk is generated. Ver
 arrive while an update runs are coalesced: only the newest pending one is loaded next. A failed
 engine load is logged, counted and reported in ``state()``; the proxy still resumes (tokens are
 tagged by the engine with the version it really used, so records stay truthful).
+
+Catch-up: the applied version becomes the controller's ``target``; an engine that fails to load
+it, or that the controller later finds behind (restarted, loaded elsewhere), is held back from
+routing and gets ``catch_up``: one load of the applied version, serialised with updates, retried
+by the proxy's engine health check until the engine serves it.
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ class WeightUpdater:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self.applied: str | None = None  # last version loaded (into at least one engine)
+        self.applied_wv: WeightVersion | None = None  # ... and where it lives, for catch-up loads
+        self._catching_up: dict[str, asyncio.Task[None]] = {}
+        self.check_timeout_s = 5.0  # a version probe of a stopped (SIGSTOP) engine must not hang a catch-up
         self.last: dict[str, Any] = {}  # outcome of the last update, for /v1/rollout/state
+        self.pause_seconds_total = 0.0  # wall-clock of every update (pause + loads + resume), summed
+        self.updates_total = 0  # updates applied (attempted), for the time decomposition
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -76,9 +86,19 @@ class WeightUpdater:
                 results = {f"engine{i}": r for i, r in enumerate(outcomes)}
             finally:
                 ok = any(r in ("loaded", "already_loaded") for r in results.values())
+                if ok:  # before resuming: no chunk is routed to an engine that did not load it
+                    self.applied_wv = wv
+                    self.controller.set_target(wv.version)
+                    for url, r in zip(self.client.engines, results.values(), strict=True):
+                        if r in ("loaded", "already_loaded"):
+                            await self.controller.mark_synced(url, wv.version)
+                        else:
+                            self.controller.mark_behind(url, f"weights version={wv.version} not loaded ({r})")
                 await self.controller.resume(WEIGHT_UPDATE, version=wv.version if ok else None)
             if ok:
                 self.applied = wv.version
+            self.pause_seconds_total += time.monotonic() - start
+            self.updates_total += 1
             self.last = {"version": wv.version, "step": wv.step, "engines": results, "quiesced": pause["quiesced"],
                          "preempted": len(pause["preempted_request_ids"]), "seconds": round(time.monotonic() - start, 3)}
             log.info("weights version=%s step=%d loaded: %s (preempted=%d, %.2fs)", wv.version, wv.step, results,
@@ -97,6 +117,29 @@ class WeightUpdater:
             return f"failed: {exc.code}"
         self.metrics.weight_updates.labels("loaded").inc()
         return "loaded"
+
+    def catch_up(self, url: str) -> None:
+        """Load the applied version into ``url`` (at most one catch-up per engine at a time)."""
+        task = self._catching_up.get(url)
+        if self.applied_wv is None or (task is not None and not task.done()):
+            return
+        self._catching_up[url] = asyncio.get_running_loop().create_task(self._catch_up(url))
+
+    async def _catch_up(self, url: str) -> None:
+        async with self._lock:  # never alongside an update (which may move the target)
+            wv = self.applied_wv
+            if wv is None or url not in self.controller.behind:
+                return
+            version = await self.client.weight_version(url, timeout=self.check_timeout_s)
+            if version is None:
+                return  # unreachable: the health check tries again once it answers
+            if version != wv.version:
+                result = await self._load(url, wv)
+                if not result.startswith("loaded"):
+                    return
+                log.info("engine=%s caught up from version=%s to the published version=%s", url, version,
+                         wv.version)
+            await self.controller.mark_synced(url, wv.version)
 
     async def wait_idle(self) -> None:
         """For tests and shutdown: until no update is pending or running."""

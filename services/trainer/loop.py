@@ -14,7 +14,10 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
 * a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
   original bytes in the same MULTI as its XACK, and the loop goes on;
 * on a Redis error the loop backs off (bounded), then re-syncs exactly as a restart would:
-  re-read its own pending entries and publish the newest checkpoint if it is not announced yet.
+  re-read its own pending entries and publish the newest checkpoint if it is not announced yet;
+* every step's metrics carry where the loop's wall-clock went since its first read
+  (``time/{wait,train,checkpoint,publish,other,wall}_s``, ``shared.phases``): waiting for a batch,
+  the optimizer step, the checkpoint write, and acknowledging + publishing the version.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from shared.errors import MalformedEntry
 from shared.evaluation import enqueue_eval, pinned_checkpoints
 from shared.keys import GROUP_TRAINER
 from shared.lifecycle import StopFlag
+from shared.phases import PhaseClock
 from shared.schemas import Batch, WeightVersion
 from shared.streams import Entry, GroupReader, dead_letter_fields, ensure_group, reclaim
 from shared.telemetry import Heartbeat, report_metrics
@@ -46,6 +50,7 @@ from shared.versionbus import publish_version, read_latest
 log = logging.getLogger(__name__)
 
 SERVICE = "trainer"
+PHASES = ("wait", "train", "checkpoint", "publish")  # the trainer's time decomposition (time/<phase>_s)
 TRAINED_MAXLEN = 100_000  # {p}:trainer:trained is capped like {p}:dead
 Held = tuple[str, Batch]  # (stream entry id, decoded batch) trained or about to be
 
@@ -83,6 +88,7 @@ class TrainerLoop:
         self.heartbeat = Heartbeat(r, self.keys, SERVICE, self.consumer, cfg.ops.heartbeat_ttl_s)
         self.stats = self.keys.custom("stats")
         self.trained_key = self.keys.custom("trainer", "trained")  # one entry per acknowledged batch set
+        self.clock = PhaseClock(PHASES)  # restarted once start() is done: the loop's own wall-clock
 
     # --- startup and re-sync ------------------------------------------------------------------
 
@@ -124,6 +130,7 @@ class TrainerLoop:
                 if not started:
                     self.start()
                     started = True
+                    self.clock = PhaseClock(PHASES)
                 if not self._iterate(burst):
                     break
                 backoff = 0.1
@@ -152,7 +159,8 @@ class TrainerLoop:
 
     def _iterate(self, burst: bool) -> bool:
         self.heartbeat.beat({"step": self.learner.step, "version": self.version})
-        entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
+        with self.clock.phase("wait"):
+            entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
         if not entries:
             return not burst
         for entry in entries:
@@ -213,7 +221,8 @@ class TrainerLoop:
     def _train_step(self, held: Held) -> None:
         """One batch = one optimizer step (so pacing's groups per version stay groups_per_batch × interval)."""
         eid, batch = held
-        metrics: dict[str, Any] = self.learner.train_step([batch])
+        with self.clock.phase("train"):
+            metrics: dict[str, Any] = self.learner.train_step([batch])
         fault_point("after_step")
         gap = version_gap([batch], max(self.version, 0))
         self.unsaved.append(held)
@@ -229,6 +238,7 @@ class TrainerLoop:
             metrics["train/version_gap_hist"] = version_gap_hist([batch], max(self.version, 0))
         if published is not None:
             metrics["train/published_version"] = str(published)  # the per-version marker
+        metrics.update(self.clock.snapshot())
         report_metrics(self.r, self.keys, SERVICE, metrics, maxlen=self.cfg.ops.metrics_maxlen)
         if self.sinks is not None:
             self.sinks.emit(self.learner.step, metrics)
@@ -241,12 +251,14 @@ class TrainerLoop:
         """Checkpoint the unsaved steps as the next version, acknowledge their batches, publish."""
         version = self.version + 1
         held = self.unsaved
-        info = self._write_checkpoint(version, held)
+        with self.clock.phase("checkpoint"):
+            info = self._write_checkpoint(version, held)
         self.unsaved = []  # durable from here: a re-delivery is acknowledged, never retrained
         fault_point("after_checkpoint")
-        self._ack(held)
-        fault_point("after_ack")
-        self._publish(info)
+        with self.clock.phase("publish"):
+            self._ack(held)
+            fault_point("after_ack")
+            self._publish(info)
         return version
 
     def _write_checkpoint(self, version: int, held: list[Held]) -> CheckpointInfo:

@@ -1,0 +1,129 @@
+"""Where a run's wall-clock goes, from its metric rows (pure: rows in, fractions out).
+
+Sources (all cumulative, so any two samples give the rate in between):
+* the trainer's ``time/{wait,train,checkpoint,publish,other,wall}_s`` on every step
+  (``shared.phases``: the phases never overlap, so they and ``other`` sum to ``wall`` exactly;
+  ``other`` is what the four named phases do not explain: metric reports, heartbeats, decoding);
+* the ``ops`` rows of ``dressage up``: ``engine/busy_s`` (a forward pass running) and
+  ``proxy/weight_update_s`` (the proxy paused for a weight load), sampled every few seconds;
+* the rollout workers' ``rollout/group_seconds`` per finished group: a group's wall time is spent
+  waiting on the proxy (its model calls), so their sum over the worker slots
+  (workers × ``rollout.concurrency``) and the run's length is the slots' busy fraction.
+
+The weight-publication pause is the trainer's checkpoint + publish fractions plus the proxy's
+update fraction (pause, engine load, resume): the two happen in different processes, and adding
+them is the conservative reading. verl's idle ratio and prime-rl's wait-for-batch timer are the models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.ops.series import Row, number, trainer_rows
+
+TRAINER_PHASES = ("wait", "train", "checkpoint", "publish", "other")
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    trainer_wall_s: float | None = None  # the trainer loop's wall-clock (since its first read)
+    trainer: dict[str, float] = field(default_factory=dict)  # phase -> fraction of trainer_wall_s
+    trainer_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    engine_busy: float | None = None  # fraction of the sampled window with a forward pass running
+    proxy_pause: float | None = None  # fraction of the sampled window the proxy was paused for weights
+    weight_updates: int | None = None  # weight loads the proxy applied
+    group_seconds_mean: float | None = None  # mean wall time of one group attempt (waiting on the proxy)
+    worker_slot_busy: float | None = None  # Σ group seconds / (slots × run length)
+
+    @property
+    def engine_idle(self) -> float | None:
+        return None if self.engine_busy is None else max(0.0, 1.0 - self.engine_busy)
+
+    @property
+    def publication_pause(self) -> float | None:
+        """Checkpoint + publish (trainer) + proxy pause, as a fraction of wall-clock."""
+        if not self.trainer:
+            return None
+        return self.trainer["checkpoint"] + self.trainer["publish"] + (self.proxy_pause or 0.0)
+
+    def explained(self) -> float | None:
+        """Fraction of the trainer's wall-clock that the four named phases account for."""
+        if not self.trainer:
+            return None
+        return sum(self.trainer[p] for p in TRAINER_PHASES if p != "other")
+
+
+def _rate(rows: Sequence[Row], name: str) -> float | None:
+    """Increase of a cumulative ``name`` per second between its first and last sample."""
+    pts = [(t, v) for t, v in ((number(r.get("ts")), number(r.get(name))) for r in rows)
+           if t is not None and v is not None]
+    if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+        return None
+    return max(0.0, (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]))
+
+
+def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
+    """The run's time decomposition; ``slots`` = rollout workers × concurrency (None: not computed)."""
+    last = next((r for r in reversed(trainer_rows(rows)) if number(r.get("time/wall_s"))), None)
+    wall = number(last.get("time/wall_s")) if last else None
+    seconds: dict[str, float] = {}
+    if last is not None and wall:
+        for p in TRAINER_PHASES:
+            seconds[p] = number(last.get(f"time/{p}_s")) or 0.0
+    ops = [r for r in rows if r.get("service") == "ops"]
+    updates = [number(r.get("proxy/weight_updates")) for r in ops]
+    groups = [v for v in (number(r.get("rollout/group_seconds")) for r in rows) if v is not None]
+    ts = [t for t in (number(r.get("ts")) for r in rows) if t is not None]
+    length = (max(ts) - min(ts)) if ts else 0.0
+    return TimeSplit(
+        trainer_wall_s=wall,
+        trainer={p: s / wall for p, s in seconds.items()} if wall else {},
+        trainer_seconds=seconds,
+        engine_busy=_rate(ops, "engine/busy_s"),
+        proxy_pause=_rate(ops, "proxy/weight_update_s"),
+        weight_updates=int(max(u for u in updates if u is not None)) if any(u is not None for u in updates) else None,
+        group_seconds_mean=sum(groups) / len(groups) if groups else None,
+        worker_slot_busy=(sum(groups) / (slots * length)) if slots and groups and length > 0 else None,
+    )
+
+
+def columns(split: TimeSplit) -> dict[str, float | None]:
+    """Flat fields for summary.csv (fractions in [0, 1], seconds as named)."""
+    out: dict[str, float | None] = {f"trainer_{p}_frac": split.trainer.get(p) for p in TRAINER_PHASES}
+    out.update({"trainer_wall_s": split.trainer_wall_s, "engine_busy_frac": split.engine_busy,
+                "engine_idle_frac": split.engine_idle, "proxy_pause_frac": split.proxy_pause,
+                "publication_pause_frac": split.publication_pause, "group_seconds_mean": split.group_seconds_mean,
+                "worker_slot_busy_frac": split.worker_slot_busy})
+    return out
+
+
+def summary_pairs(split: TimeSplit) -> list[tuple[str, str]]:
+    """Lines for the report's summary table ("-" where there is no data)."""
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f} %"
+
+    wall = "-" if split.trainer_wall_s is None else f"{split.trainer_wall_s:.0f} s"
+    out = [("trainer wall-clock (loop)", wall)]
+    out += [(f"trainer {p} {'(waiting for a batch)' if p == 'wait' else ''}".rstrip(), pct(split.trainer.get(p)))
+            for p in TRAINER_PHASES]
+    out += [("engine busy / idle", f"{pct(split.engine_busy)} / {pct(split.engine_idle)}"),
+            ("proxy paused for weight updates", pct(split.proxy_pause)
+             + ("" if split.weight_updates is None else f" ({split.weight_updates} updates)")),
+            ("weight publication pause (checkpoint + publish + proxy)", pct(split.publication_pause)),
+            ("rollout group wait on the proxy, mean",
+             "-" if split.group_seconds_mean is None else f"{split.group_seconds_mean:.2f} s"),
+            ("rollout worker slots busy", pct(split.worker_slot_busy))]
+    return out
+
+
+def one_line(split: TimeSplit) -> str:
+    """For ``dressage status``: the trainer's split and the engine's busy fraction."""
+    if not split.trainer and split.engine_busy is None:
+        return "no timing data yet"
+    parts = [f"trainer {p} {100 * split.trainer[p]:.0f}%" for p in TRAINER_PHASES if p in split.trainer]
+    if split.engine_busy is not None:
+        parts.append(f"engine busy {100 * split.engine_busy:.0f}% (last minute)")
+    if split.proxy_pause is not None:
+        parts.append(f"proxy paused {100 * split.proxy_pause:.1f}%")
+    return "  ".join(parts)

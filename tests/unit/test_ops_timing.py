@@ -1,0 +1,90 @@
+"""The time decomposition: phase clock arithmetic and the fractions read back from metric rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.ops.timing import columns, decompose, one_line, summary_pairs
+from shared.phases import PhaseClock, PhaseNesting
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_phases_and_other_sum_to_the_wall_clock() -> None:
+    t = FakeClock()
+    clock = PhaseClock(("wait", "train"), clock=t)
+    with clock.phase("wait"):
+        t.now += 3.0
+    t.now += 0.5  # outside every phase: "other"
+    with clock.phase("train"):
+        t.now += 6.0
+    with clock.phase("wait"):
+        t.now += 1.0
+    snap = clock.snapshot()
+    assert snap == {"time/wait_s": 4.0, "time/train_s": 6.0, "time/other_s": 0.5, "time/wall_s": 10.5}
+
+
+def test_a_phase_inside_a_phase_and_an_unknown_phase_are_refused() -> None:
+    clock = PhaseClock(("wait", "train"), clock=FakeClock())
+    with pytest.raises(PhaseNesting), clock.phase("wait"), clock.phase("train"):
+        pass
+    with pytest.raises(KeyError, match="publish"), clock.phase("publish"):
+        pass
+
+
+def test_a_phase_that_raises_still_counts_its_time() -> None:
+    t = FakeClock()
+    clock = PhaseClock(("train",), clock=t)
+    with pytest.raises(RuntimeError), clock.phase("train"):
+        t.now += 2.0
+        raise RuntimeError("boom")
+    assert clock.seconds["train"] == 2.0
+
+
+def rows() -> list[dict[str, object]]:
+    return [
+        {"service": "ops", "ts": 1000.0, "engine/busy_s": 10.0, "proxy/weight_update_s": 1.0, "proxy/weight_updates": 2},
+        {"service": "trainer", "ts": 1010.0, "train/step": 1, "time/wait_s": 1.0, "time/train_s": 2.0,
+         "time/checkpoint_s": 0.5, "time/publish_s": 0.5, "time/other_s": 0.0, "time/wall_s": 4.0},
+        {"service": "rollout-worker", "ts": 1020.0, "rollout/group_seconds": 30.0},
+        {"service": "rollout-worker", "ts": 1030.0, "rollout/group_seconds": 50.0},
+        {"service": "trainer", "ts": 1040.0, "train/step": 2, "time/wait_s": 4.0, "time/train_s": 12.0,
+         "time/checkpoint_s": 1.0, "time/publish_s": 2.0, "time/other_s": 1.0, "time/wall_s": 20.0},
+        {"service": "ops", "ts": 1050.0, "engine/busy_s": 40.0, "proxy/weight_update_s": 2.0, "proxy/weight_updates": 5},
+    ]
+
+
+def test_fractions_come_from_the_newest_trainer_row_and_the_sampled_clocks() -> None:
+    split = decompose(rows(), slots=4)
+    assert split.trainer_wall_s == 20.0
+    assert split.trainer == {"wait": 0.2, "train": 0.6, "checkpoint": 0.05, "publish": 0.1, "other": 0.05}
+    assert split.explained() == pytest.approx(0.95)
+    assert split.engine_busy == pytest.approx(30.0 / 50.0)  # (40 - 10) busy seconds over 50 s
+    assert split.engine_idle == pytest.approx(0.4)
+    assert split.proxy_pause == pytest.approx(1.0 / 50.0)
+    assert split.weight_updates == 5
+    assert split.publication_pause == pytest.approx(0.05 + 0.1 + 0.02)
+    assert split.group_seconds_mean == 40.0
+    assert split.worker_slot_busy == pytest.approx(80.0 / (4 * 50.0))
+
+
+def test_no_data_gives_none_not_zero() -> None:
+    split = decompose([{"service": "prompt-buffer", "ts": 1.0}])
+    assert split.trainer == {} and split.engine_busy is None and split.publication_pause is None
+    cols = columns(split)
+    assert cols["trainer_wait_frac"] is None and cols["engine_busy_frac"] is None
+    assert one_line(split) == "no timing data yet"
+    assert dict(summary_pairs(split))["trainer wall-clock (loop)"] == "-"
+
+
+def test_summary_lines_show_percentages() -> None:
+    pairs = dict(summary_pairs(decompose(rows(), slots=4)))
+    assert pairs["trainer wait (waiting for a batch)"] == "20.0 %"
+    assert pairs["engine busy / idle"] == "60.0 % / 40.0 %"
+    assert "trainer wait 20%" in one_line(decompose(rows()))
