@@ -15,6 +15,15 @@ Invariants (asyncio, one event loop; no await between a check and the state chan
 * partial mode: an aborted chunk suspends the generation until resume, then continues from
   prompt + partial output with a fresh rid and the remaining budget; to the caller it is one
   response. Non-partial mode: an aborted chunk fails the request (``generation_preempted``).
+* engines follow the published weights (``target``, set by the weight updater): a chunk is
+  routed only to an engine not marked *behind*. An engine is marked behind when it refuses a
+  connection (it may be restarting), when the health check reads another version, or when a
+  response carries a version older than ``target``; such a response's tokens are discarded
+  before anything reaches the caller and the chunk is sent again once an engine is caught up
+  (``on_engine_behind`` asks the updater to load ``target`` into it). With every engine behind a
+  chunk waits up to ``engine_sync_wait_s``, then fails ``upstream_unavailable`` (503);
+* ``current_version`` is learned from every response (an engine loaded behind our back is
+  noticed on its next answer), not only on load/resume.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +46,7 @@ from services.proxy.errors import (
 )
 from services.proxy.metrics import ProxyMetrics
 from shared.staleness import check_version_span, ordered_real_versions, real_version
+from shared.versionbus import version_newer
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +87,16 @@ class _Active:
 
 class GenerationController:
     def __init__(self, client: EngineClient, metrics: ProxyMetrics, max_preempts: int | None,
-                 request_timeout_s: float = 600.0, pause_timeout_s: float = 30.0) -> None:
+                 request_timeout_s: float = 600.0, pause_timeout_s: float = 30.0,
+                 engine_sync_wait_s: float = 30.0) -> None:
         self.client, self.metrics = client, metrics
         self.max_preempts = max_preempts
         self.request_timeout_s, self.pause_timeout_s = request_timeout_s, pause_timeout_s
-        self.current_version: str | None = None  # what the engines run now (set on load/resume)
+        self.engine_sync_wait_s = engine_sync_wait_s
+        self.current_version: str | None = None  # what the engines run now (load/resume, every response)
+        self.target: str | None = None  # the published version every engine must serve (None: not following)
+        self.behind: set[str] = set()  # engines not known to serve ``target``: no chunk is routed to them
+        self.on_engine_behind: Callable[[str], None] = lambda url: None  # the updater's catch-up hook
         self.epoch = 0  # +1 on every resume that ends a pause (reported only)
         self._holders: set[str] = set()  # global pause holders: "operator", "weight_update"
         self._paused_sessions: set[str] = set()  # operator pauses of single sessions
@@ -175,8 +191,65 @@ class GenerationController:
             self.current_version = v
         return self.current_version
 
+    # --- engines at the published version ---------------------------------------------------
+
+    def set_target(self, version: str | None) -> None:
+        """The version every engine must serve from now on (the updater loaded it)."""
+        if version is not None and real_version(version) is not None:
+            self.target = real_version(version)
+
+    def mark_behind(self, url: str, why: str) -> None:
+        """Route nothing to ``url`` until it is seen serving ``target`` (and ask for a catch-up)."""
+        if self.target is None:
+            return  # not following published weights: nothing to catch up to
+        if url not in self.behind:
+            self.behind.add(url)
+            self.metrics.engines_behind.set(len(self.behind))
+            log.warning("engine=%s held back from routing: %s (target version=%s)", url, why, self.target)
+        self.on_engine_behind(url)
+
+    async def mark_synced(self, url: str, version: str | None) -> None:
+        """``url`` was seen serving ``version``; routable again when that is ``target`` (or newer)."""
+        v = real_version(version) if version is not None else None
+        if v is None or (self.target is not None and version_newer(self.target, v)):
+            return
+        if url in self.behind:
+            self.behind.discard(url)
+            self.metrics.engines_behind.set(len(self.behind))
+            log.info("engine=%s serves version=%s: routable again", url, v)
+            await self._notify()
+
+    def learn(self, url: str, version: str | None) -> bool:
+        """A response's version: True when ``url`` serves ``target`` (or newer, or no target is set)."""
+        v = real_version(version) if version is not None else None
+        if v is None:
+            return True
+        if self.target is not None and version_newer(self.target, v):
+            self.mark_behind(url, f"answered with version={v}")
+            return False
+        self.current_version = v
+        return True
+
+    def _routable(self, session_id: str) -> list[str]:
+        return [u for u in self.client.route(session_id) if u not in self.behind]
+
+    async def _wait_routable(self, session_id: str) -> list[str]:
+        urls = self._routable(session_id)
+        if urls:
+            return urls
+        try:
+            async with asyncio.timeout(self.engine_sync_wait_s):
+                async with self._cond:
+                    await self._cond.wait_for(lambda: bool(self._routable(session_id)))
+        except TimeoutError:
+            raise UpstreamUnavailable(f"no engine serves the published version={self.target} "
+                                      f"after {self.engine_sync_wait_s:.0f}s", engines=len(self.client.engines),
+                                      behind=len(self.behind)) from None
+        return self._routable(session_id)
+
     def state(self) -> dict[str, Any]:
         return {"paused": bool(self._holders), "pause_holders": sorted(self._holders),
+                "target_version": self.target, "engines_behind": sorted(self.behind),
                 "paused_sessions": sorted(self._paused_sessions), "version": self.current_version,
                 "epoch": self.epoch, "max_partial_rollout_preempts": self.max_preempts,
                 "active_generations": len(self._active), "suspended_generations": self._suspended,
@@ -231,8 +304,8 @@ class GenerationController:
             body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
                     "sampling_params": {**sampling, "max_new_tokens": remaining}}
             chunk = await self._dispatch(session_id, body)
-            if self.current_version is None and real_version(chunk.weight_version):
-                self.current_version = real_version(chunk.weight_version)
+            if chunk is None:
+                continue  # answered on weights older than the published ones: discarded, sent again
             self.check(session_id, [*earlier, *gen.versions], chunk.versions, partial)
             gen.output_ids += chunk.output_ids
             gen.logprobs += chunk.logprobs
@@ -251,15 +324,25 @@ class GenerationController:
                 return gen
             log.info("preempted session_id=%s tokens_so_far=%d; will resume", session_id, len(gen.output_ids))
 
-    async def _dispatch(self, session_id: str, body: dict[str, Any]) -> Chunk:
-        """Send one chunk under a fresh rid, failing over engines that refuse the connection."""
+    async def _dispatch(self, session_id: str, body: dict[str, Any]) -> Chunk | None:
+        """Send one chunk under a fresh rid, failing over engines that refuse the connection.
+
+        None: the engine answered on weights older than ``target`` (tokens discarded; it is now
+        held back and caught up) -- the caller sends the chunk again."""
         last: UpstreamUnavailable | None = None
-        for url in self.client.route(session_id):
+        for url in await self._wait_routable(session_id):
             rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
             active = self._active[rid] = _Active(rid, session_id, url)
             self.metrics.active.set(len(self._active))
             try:
-                return await self.client.generate(url, {**body, "rid": rid})
+                chunk = await self.client.generate(url, {**body, "rid": rid})
+                if not self.learn(url, chunk.weight_version):
+                    self.metrics.stale_chunks.inc()
+                    log.warning("session_id=%s rid=%s engine=%s answered on version=%s < published %s: "
+                                "%d tokens discarded, chunk sent again", session_id, rid, url,
+                                chunk.weight_version, self.target, len(chunk.output_ids))
+                    return None
+                return chunk
             except UpstreamUnavailable as exc:
                 if active.abort_requested and exc.extra.get("connected"):
                     # We aborted it and the connection broke: resume from what we have.
@@ -267,6 +350,7 @@ class GenerationController:
                 if exc.extra.get("connected"):
                     raise
                 last = exc
+                self.mark_behind(url, "refused the connection (down or restarting)")
                 log.warning("engine unreachable session_id=%s engine=%s; trying next", session_id, url)
             finally:
                 del self._active[rid]

@@ -166,11 +166,11 @@ class EngineClient:
                                 engine_detail=_short(str(data)))
         return data if isinstance(data, dict) else {"response": data}
 
-    async def weight_version(self, url: str) -> str | None:
+    async def weight_version(self, url: str, timeout: float | None = None) -> str | None:
         """The engine's loaded version (``/get_weight_version``, else ``/model_info``); None if unknown."""
         for path in ("/get_weight_version", "/model_info"):
             try:
-                status, data = await self._call("GET", url, path, None, self._control_timeout)
+                status, data = await self._call("GET", url, path, None, timeout or self._control_timeout)
             except UpstreamUnavailable:
                 return None
             if status < 300 and isinstance(data, dict) and data.get("weight_version") is not None:

@@ -8,7 +8,8 @@ Contract:
 * a body larger than ``max_body_bytes`` gets 413 — refused up front from ``Content-Length``, and
   also while streaming (chunked bodies, lying headers) by counting bytes as they are received;
 * an exception no handler took becomes 500 ``{"error": "internal_error"}`` and one log line
-  (with the traceback, in the log only);
+  (with the traceback, in the log only); a client that went away mid-request (``ClientDisconnect``,
+  routine when a worker is killed or times out) is one info line and ``client_disconnects`` + 1;
 * ``ConcurrencyLimit`` counts generations in flight *in the app* (uvicorn's
   ``--limit-concurrency`` counts connections, and idle keep-alive connections are not work);
   over the limit a request gets 503 ``over_capacity`` with ``Retry-After`` at once, never queued.
@@ -23,6 +24,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.proxy.errors import OverCapacity, ProxyError
@@ -147,6 +149,11 @@ class Guard:
         except BodyTooLarge as exc:  # raised outside a route's error handling
             if not started:
                 await _send_json(send, 413, exc.detail_body())
+        except ClientDisconnect:  # routine (a worker killed or timed out mid-request): one line, counted
+            self.metrics.client_disconnects.inc()
+            sid = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-session-id"), "")
+            log.info("client disconnected before the answer: %s %s session_id=%s", scope.get("method"),
+                     scope["path"], sid or "-")
         except Exception as exc:  # the last resort: a log line for us, no stack trace for the client
             log.error("internal error on %s %s: %s", scope.get("method"), scope["path"], type(exc).__name__,
                       exc_info=exc)

@@ -40,6 +40,14 @@ class ProxyMetrics:
         self.weight_updates = Counter("dressage_proxy_weight_updates", "engine weight loads by result",
                                       ["result"], registry=r)
         self.sessions = Gauge("dressage_proxy_sessions", "live sessions", registry=r)
+        self.engines_behind = Gauge("dressage_proxy_engines_behind",
+                                    "engines held back from routing until they serve the published weights",
+                                    registry=r)
+        self.stale_chunks = Counter("dressage_proxy_stale_chunks",
+                                    "engine answers on weights older than the published ones (discarded, resent)",
+                                    registry=r)
+        self.client_disconnects = Counter("dressage_proxy_client_disconnects",
+                                          "requests whose client went away before the answer", registry=r)
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.tokens = Counter("dressage_proxy_generated_tokens", "response tokens recorded", registry=r)
 
