@@ -36,7 +36,6 @@ from typing import Any
 from shared.errors import ConfigError, InvalidSample
 from shared.sample_versions import (
     CONTEXT_VERSION,
-    SPAN_EXCEEDED_ERROR,
     SpanCheck,
     TrajectoryVersionInfo,
     _field,
@@ -55,7 +54,6 @@ from shared.sample_versions import (
 
 __all__ = [
     "CONTEXT_VERSION",
-    "SPAN_EXCEEDED_ERROR",
     "InvalidSample",
     "SpanCheck",
     "StalenessConfig",
@@ -95,7 +93,7 @@ def _keep_value(raw: object) -> int | None:
         value = raw
     elif isinstance(raw, float) and raw.is_integer():
         value = int(raw)
-    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit() and raw.isascii():  # "²".isdigit() is True
         value = int(raw.strip())
     if value is None or value < 0:
         raise StalenessConfigError(f"{KEY} must be an integer >= 0 (0 = off), got {raw!r}")

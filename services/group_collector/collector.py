@@ -115,7 +115,7 @@ class GroupCollector:
         self._keep_raw = value
         try:
             actions = self.core.on_keep_versions(value)
-        except ConfigError as exc:
+        except (ConfigError, ValueError, TypeError) as exc:  # every bad live value: logged once, ignored
             log.error("ignoring %s keep_versions=%r: %s", self.keys.control, value, exc)
             return []
         log.info("keep_versions=%s (from %s)", value, "control" if raw is not None else "config")
@@ -194,6 +194,8 @@ class GroupCollector:
     def report(self, extra: dict[str, float] | None = None) -> None:
         stats = {_s(k): int(v) for k, v in self.r.hgetall(self.ledger.stats_key).items()}
         metrics: dict[str, Any] = {f"pipeline/{k.replace(':', '_')}": v for k, v in stats.items()}
+        metrics.update(extra or {})
+        # The persistent {p}:stats counts win over a batch's in-process ones: cumulative across restarts.
         metrics.update({name: stats.get(field, 0) for field, name in _STAT_METRICS.items()})
         state = self.core.window_state()
         metrics["collector/waiting_groups"] = state["waiting_groups"]
@@ -201,7 +203,6 @@ class GroupCollector:
             if state[name] is not None:
                 metrics[f"staleness/{name}"] = state[name]
         metrics["staleness/keep_versions"] = state["keep_versions"]
-        metrics.update(extra or {})
         report_metrics(self.r, self.keys, SERVICE, metrics)
         if self.gauges is not None:
             self.gauges.set(metrics)

@@ -181,6 +181,30 @@ def test_window_hash_and_cumulative_metrics_are_published(r: fakeredis.FakeRedis
     assert read_metrics(r, K, "group-collector")[-1]["staleness/dropped_groups"] == 1
 
 
+@pytest.mark.parametrize("bad", ["\u00b2", "-1", "1.5", "", " ", "\u0663", "1e3", "9" * 5000])
+def test_every_bad_control_value_is_logged_and_ignored_and_the_collector_keeps_running(
+        r: fakeredis.FakeRedis, bad: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A Unicode digit ("²": str.isdigit() accepts it, int() refuses it) once crashed every restart."""
+    publish(r, 0, 1)
+    r.hset(K.control, "keep_versions", bad)
+    c = collector(r, keep=3, per_batch=1)
+    put(r, rollout_group("g1", ["1"]))
+    with caplog.at_level("ERROR"):
+        assert c.run() == 0  # burst run: reads the control, ignores it, still cuts the batch
+    assert c.core.tracker.config.keep_versions == 3 and r.xlen(K.batches) == 1
+    assert [rec for rec in caplog.records if "ignoring" in rec.getMessage()]
+
+
+def test_a_batch_after_a_restart_reports_the_cumulative_dropped_count(r: fakeredis.FakeRedis) -> None:
+    publish(r, 0, 1, 2)
+    put(r, rollout_group("old", ["0"]))
+    collector(r, keep=2, per_batch=1).run()  # drops "old" (re-enqueued: counted as dropped once)
+    put(r, rollout_group("fresh", ["2"]))
+    collector(r, keep=2, per_batch=1).run()  # a restarted collector: its in-process count starts at 0
+    [m] = [m for m in read_metrics(r, K, "group-collector") if "staleness/version_gap_max" in m]
+    assert m["staleness/dropped_groups"] == 1  # the series never goes back to 0
+
+
 def test_next_id_is_the_smallest_following_id() -> None:
     assert next_id(b"5-0") == "5-1" and next_id("0-0") == "0-1"
 
