@@ -4,6 +4,11 @@ Jobs travel JSON-serialised (``shared.evaluation.SERIALIZER``): a job whose payl
 fails to deserialise and lands in rq's failed registry; nothing is ever unpickled. rq's ``Worker``
 forks one work horse per job, so a job that crashes or times out never takes the worker down.
 
+Every process registers under a fresh rq name (``<prefix>-<consumer>-<pid>-<random>``): a worker
+killed by SIGKILL leaves its registration behind until rq's TTL expires it, and a restart under
+the same name would be refused ("There exists an active worker named ..."). The heartbeat key
+keeps the stable consumer name, so ``dressage status`` shows one eval-worker across restarts.
+
 Only the evaluation function runs: jobs are ``AdmittedJob``s, whose ``func`` and callbacks are
 resolved only after ``admission.JobPolicy.check`` passed (function name, argument names and
 types, checkpoint and dataset confined to their roots). A refused job (e.g. an enqueued
@@ -13,6 +18,8 @@ types, checkpoint and dataset confined to their roots). A refused job (e.g. an e
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from typing import Any
 
 import redis
@@ -78,13 +85,18 @@ class EvalWorker(Worker):
         return out
 
 
+def rq_worker_name(keys: Keys, consumer: str) -> str:
+    """Unique per process: a dead predecessor's registration never blocks a restart."""
+    return f"{keys.prefix}-{consumer}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 def build_worker(r: redis.Redis, keys: Keys, queue: str, consumer: str, heartbeat_ttl_s: float, *,
                  policy: JobPolicy) -> EvalWorker:
     beat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
     job_class = job_class_for(policy)
     rq_queue = Queue(queue, connection=r, serializer=SERIALIZER, job_class=job_class)
     return EvalWorker([rq_queue], connection=r, serializer=SERIALIZER, beat=beat, job_class=job_class,
-                      name=f"{keys.prefix}-{consumer}")
+                      name=rq_worker_name(keys, consumer))
 
 
 def run_worker(worker: EvalWorker, burst: bool) -> int:
