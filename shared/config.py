@@ -202,6 +202,9 @@ class EvalConfig(Section):
     dataset: str = "data/reverse/test.jsonl"
     n_examples: int = Field(default=64, ge=1, le=1_000_000)
     queue: str = "dressage-eval"
+    # --- scale-out (torchrun) ---
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP (replicated) or FSDP2 fully_shard (sharded)
+    dist_timeout_s: float = Field(default=600.0, ge=10, le=86_400)  # a collective waiting longer fails the step
     # --- trainer engineer additions ---
     job_timeout_s: int = Field(default=1800, ge=10, le=86_400)  # rq job timeout per evaluation
     batch_size: int = Field(default=64, ge=1, le=4096)  # prompts decoded together (greedy)

@@ -8,6 +8,7 @@ instant. Unset (the default) it costs one dict lookup. Points, in the order a st
 * ``mid_checkpoint``    checkpoint files written into the temporary directory, not renamed
 * ``after_checkpoint``  checkpoint renamed into place, batches not yet acknowledged
 * ``after_ack``         batches acknowledged, version not yet published
+* ``follower_mid_step`` under torchrun, a rank > 0 between its first forward and backward of a step
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 log = logging.getLogger(__name__)
 
 ENV = "DRESSAGE_FAULT"
-POINTS = ("after_step", "mid_checkpoint", "after_checkpoint", "after_ack")
+POINTS = ("after_step", "mid_checkpoint", "after_checkpoint", "after_ack", "follower_mid_step")
 _hits: Counter[str] = Counter()
 
 

@@ -153,6 +153,7 @@ class TrainerLoop:
                      "after a restart", len(self.unsaved), self.version)
         if self.sinks is not None:
             self.sinks.close()
+        self.learner.close()  # under torchrun: the other ranks stop too
         log.info("trainer stopped step=%d version=%d batches_trained=%d", self.learner.step, self.version,
                  self.batches_trained)
         return 0
@@ -162,6 +163,7 @@ class TrainerLoop:
         with self.clock.phase("wait"):
             entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
         if not entries:
+            self.learner.idle()  # under torchrun: the other ranks hear from rank 0 every block_ms
             return not burst
         for entry in entries:
             batch = self._accept(entry)
@@ -269,13 +271,14 @@ class TrainerLoop:
         recent_batches = RecentIds(self.recent_batches.as_list() + batch_ids, limit)
         batches_trained = self.batches_trained + len(held)
         groups_trained = self.groups_trained + sum(len(b.groups) for _, b in held)
-        state = {"learner": self.learner.state_dict(), "rng": rng_state(), "version": version,
+        weights, learner_state = self.learner.export()  # under torchrun: every rank joins this
+        state = {"learner": learner_state, "rng": rng_state(), "version": version,
                  "step": self.learner.step, "batches_trained": batches_trained, "groups_trained": groups_trained,
                  "consumed_entry_ids": entry_ids_, "consumed_batch_ids": batch_ids,
                  "recent_entry_ids": recent_entries.as_list(), "recent_batch_ids": recent_batches.as_list()}
 
         def save_weights(d: Any) -> None:
-            self.learner.model.save_pretrained(d, safe_serialization=True)
+            self.learner.model.save_pretrained(d, safe_serialization=True, state_dict=weights)  # None: its own
             self.tokenizer.save_pretrained(d)
 
         info = self.store.write(version, self.learner.step, save_weights, state)

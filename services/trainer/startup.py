@@ -4,6 +4,10 @@ Order matters for crash safety: leftover temporary directories are removed *befo
 complete checkpoint is looked up, and only complete checkpoints are ever loaded (``checkpoint``).
 The reference model for the KL term (only when ``train.kl_coef`` > 0) is the initial policy
 ``model.path``, frozen.
+
+Under torchrun only rank 0 reads Redis and the checkpoint directory's state; it broadcasts its
+resume plan, and every rank loads the same weights and trainer state from it (so the checkpoint
+directory must be shared by all nodes of a multi-node run). Ranks > 0 get a ``Follower``.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import redis
 import torch
 
 from services.trainer.checkpoint import CheckpointStore, set_rng_state
+from services.trainer.follower import Follower
 from services.trainer.learner import Learner
 from services.trainer.loop import TrainerLoop
+from services.trainer.parallel import Parallel
 from services.trainer.resume import plan_resume
 from services.trainer.sinks import MetricSinks
 from shared.config import DressageConfig
@@ -30,23 +36,28 @@ PROMETHEUS_OFFSET = 4  # ops.metrics_port_base + 4 (ARCHITECTURE: trainer)
 
 
 def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = None,
-                 with_sinks: bool = True) -> TrainerLoop:
-    """A ready-to-run trainer: weights loaded, optimizer/RNG restored, nothing announced yet."""
+                 with_sinks: bool = True) -> TrainerLoop | Follower:
+    """A ready-to-run trainer (rank 0) or follower (ranks > 0): weights loaded, state restored, nothing announced."""
     tc = cfg.train
+    parallel = Parallel.from_env(tc.device, tc.parallel, tc.dist_timeout_s)
     store = CheckpointStore(tc.checkpoint_dir)
-    store.cleanup_temp()
-    newest = store.newest()
-    latest = read_latest(r, cfg.keys())
-    plan = plan_resume(newest, latest, Path(cfg.model.path),
-                       published_complete=latest is not None and not missing_files(latest.path))
+    plan = None
+    if parallel.is_leader:
+        store.cleanup_temp()
+        newest = store.newest()
+        latest = read_latest(r, cfg.keys())
+        plan = plan_resume(newest, latest, Path(cfg.model.path),
+                           published_complete=latest is not None and not missing_files(latest.path))
+    plan = parallel.broadcast(plan)
     restored = store.load_state(plan.checkpoint) if plan.checkpoint is not None else None
     if restored is None:
         torch.manual_seed(tc.seed)
-    model = load_model(plan.weights_from, device=tc.device, dtype=tc.dtype)
+    device = parallel.device(tc.device)
+    model = load_model(plan.weights_from, device=device, dtype=tc.dtype)
     tokenizer = load_tokenizer(plan.weights_from)
-    ref_model = load_model(cfg.model.path, device=tc.device, dtype=tc.dtype) if tc.kl_coef > 0 else None
+    ref_model = load_model(cfg.model.path, device=device, dtype=tc.dtype) if tc.kl_coef > 0 else None
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    learner = Learner(model, tc, pad_id, ref_model)
+    learner = Learner(model, tc, pad_id, ref_model, parallel)
     if restored is not None:
         learner.load_state_dict(restored["learner"])
         set_rng_state(restored["rng"])
@@ -54,6 +65,8 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
                  learner.step, int(restored.get("batches_trained", 0)))
     else:
         log.info("starting fresh from %s (version counter=%d)", plan.weights_from, plan.version)
+    if not parallel.is_leader:
+        return Follower(learner)
     sinks = None
     if with_sinks:
         port = cfg.ops.metrics_port_base + PROMETHEUS_OFFSET if cfg.ops.metrics_port_base else None

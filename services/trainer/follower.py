@@ -1,0 +1,37 @@
+"""A trainer rank other than 0: no Redis, no files written — it trains the rows rank 0 sends it.
+
+Invariant: a follower does exactly what rank 0's commands say, in order (``services.trainer.parallel``):
+``step`` → ``Learner.train_shard``, ``export`` → join the gather of the full state, ``idle`` → nothing,
+``stop`` → leave the process group and exit 0. SIGTERM alone does not stop it: rank 0 (which gets the
+same signal from torchrun) finishes its step and sends ``stop``, so no collective is left half-joined.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.trainer.learner import Learner
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    def __init__(self, learner: Learner) -> None:
+        self.learner, self.parallel = learner, learner.parallel
+
+    def run(self, burst: bool = False) -> int:
+        """Obey rank 0 until it says stop; ``burst`` changes nothing here (rank 0 decides when to stop)."""
+        rank = self.parallel.rank
+        while True:
+            cmd = self.parallel.receive()
+            if cmd.kind == "step":
+                assert cmd.shard is not None
+                self.learner.train_shard(cmd.shard)
+                log.debug("rank=%d step=%d rows=%d", rank, self.learner.step, len(cmd.shard.rows))
+            elif cmd.kind == "export":
+                self.learner.export()
+            elif cmd.kind == "stop":
+                break
+        self.parallel.close()
+        log.info("rank=%d stopped step=%d", rank, self.learner.step)
+        return 0

@@ -1,0 +1,220 @@
+"""The trainer on torch.distributed: process group, model wrapping, the batch split, the rank protocol.
+
+``dressage trainer`` started by ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` > 1 in the environment)
+runs as N data-parallel ranks; started plainly it is one process and nothing here is initialised.
+
+Invariants:
+* the backend follows the device: NCCL when ``train.device`` is CUDA (rank ``r`` on ``cuda:LOCAL_RANK``),
+  gloo otherwise. ``train.parallel`` picks DDP (weights replicated) or FSDP2 (``fully_shard``: every
+  decoder layer and the root sharded, for models that do not fit one device);
+* rank 0 alone talks to Redis. Every other rank only obeys rank 0's commands, one
+  ``scatter_object_list`` per loop iteration: ``idle`` (no batch yet), ``step`` (its rows),
+  ``export`` (join the gather of the full weights and optimizer state for a checkpoint), ``stop``;
+* the split (``split_rows``): rank 0 computes the step's rows with their advantages over whole
+  groups, sorts them longest first (ties keep batch order) and deals row ``i`` to rank ``i % N``.
+  Every rank runs the same number of micro-batches (the largest any rank needs); a rank short of
+  rows runs zero-weight ones, so DDP's and FSDP's collectives always pair up;
+* each rank's loss is (its tokens' loss sum) / (the step's loss tokens, all ranks) × N: torch
+  averages gradients over ranks, so the reduced gradient is exactly the one-process gradient;
+* rank 0 returns from a step only after an all-reduce that every rank enters after its
+  ``optimizer.step()`` — a checkpoint, an acknowledgement or a version never precedes a rank's
+  step. A rank that dies makes that collective raise on the others (gloo: at once; NCCL: after
+  ``train.dist_timeout_s``): rank 0 exits non-zero with nothing acknowledged, and a restart
+  re-reads the pending batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+
+from services.trainer.batching import TrainRow
+
+log = logging.getLogger(__name__)
+
+CommandKind = Literal["idle", "step", "export", "stop"]
+
+
+@dataclass
+class Shard:
+    """One rank's part of a step: its rows, the step's loss-token count and the common micro-batch count."""
+
+    rows: list[TrainRow]
+    loss_tokens: int  # over every rank: the loss denominator
+    n_micro: int  # micro-batches every rank runs this step
+    micro_rows: int  # rows per micro-batch on this rank
+
+
+@dataclass
+class Command:
+    kind: CommandKind
+    shard: Shard | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def split_rows(rows: Sequence[TrainRow], world: int, micro_rows: Any) -> list[Shard]:
+    """Deal ``rows`` to ``world`` ranks (longest first, row i → rank i % world); ``micro_rows(n)`` sizes chunks."""
+    ordered = sorted(range(len(rows)), key=lambda i: (-len(rows[i].token_ids), i))
+    parts: list[list[TrainRow]] = [[] for _ in range(world)]
+    for k, i in enumerate(ordered):
+        parts[k % world].append(rows[i])
+    loss_tokens = sum(sum(r.mask) for r in rows)
+    sizes = [max(1, int(micro_rows(len(p)))) if p else 1 for p in parts]
+    n_micro = max(1, max(-(-len(p) // s) for p, s in zip(parts, sizes, strict=True)))
+    return [Shard(p, loss_tokens, n_micro, s) for p, s in zip(parts, sizes, strict=True)]
+
+
+def env_world_size(env: dict[str, str] | None = None) -> int:
+    return int((env if env is not None else os.environ).get("WORLD_SIZE", "1"))
+
+
+class Parallel:
+    """This process's place among the ranks; world size 1 means a plain single process."""
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, mode: str = "ddp",
+                 backend: str | None = None) -> None:
+        self.rank, self.world, self.local_rank, self.mode, self.backend = rank, world, local_rank, mode, backend
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: str, mode: str, timeout_s: float) -> Parallel:
+        """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``…), or stay single."""
+        world = env_world_size()
+        if world <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() else "gloo"
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        me = cls(dist.get_rank(), dist.get_world_size(), local_rank, mode, backend)
+        log.info("rank=%d/%d local_rank=%d backend=%s parallel=%s", me.rank, me.world, local_rank, backend, mode)
+        return me
+
+    def device(self, configured: str) -> str:
+        """``cuda`` → ``cuda:LOCAL_RANK`` on a distributed run; anything else as configured."""
+        if self.distributed and configured == "cuda":
+            return f"cuda:{self.local_rank}"
+        return configured
+
+    # --- the model -------------------------------------------------------------------------
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to run forward on: the model itself, DDP around it, or the model sharded in place."""
+        if not self.distributed:
+            return model
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            inner = getattr(model, "model", None)
+            for layer in getattr(inner, "layers", []):
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.local_rank] if self.backend == "nccl" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    @contextmanager
+    def no_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
+        """Accumulate without reducing gradients when ``skip`` (every micro-batch but the last)."""
+        if not self.distributed or not skip:
+            if self.mode == "fsdp" and self.distributed:
+                module.set_requires_gradient_sync(True)  # type: ignore[operator]
+            yield
+            return
+        if self.mode == "fsdp":
+            module.set_requires_gradient_sync(False)  # type: ignore[operator]
+            yield
+            return
+        with module.no_sync():  # type: ignore[operator]
+            yield
+
+    def full_state(self, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(full weights or None = save the model as is, optimizer state) — a collective under FSDP."""
+        if not (self.distributed and self.mode == "fsdp"):
+            return None, optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=opts)
+        optim = get_optimizer_state_dict(model, optimizer, options=opts)
+        return weights, optim  # type: ignore[return-value]
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if not (self.distributed and self.mode == "fsdp"):
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,  # type: ignore[arg-type]
+                                 options=StateDictOptions(full_state_dict=True))
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def all_reduce_sum(self, values: list[float], device: torch.device) -> list[float]:
+        if not self.distributed:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return [float(v) for v in t.tolist()]
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def command(self, kind: CommandKind, shards: list[Shard] | None = None, **meta: Any) -> Command:
+        """Rank 0: send ``kind`` (with rank i's shard) to every rank; returns rank 0's own command."""
+        cmds = [Command(kind, shards[i] if shards else None, meta) for i in range(self.world)]
+        return self._scatter(cmds)
+
+    def receive(self) -> Command:
+        """Ranks > 0: the next command from rank 0."""
+        return self._scatter(None)
+
+    def _scatter(self, cmds: list[Command] | None) -> Command:
+        if not self.distributed:
+            assert cmds is not None
+            return cmds[0]
+        import torch.distributed as dist
+
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, cmds, src=0)
+        return out[0]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
