@@ -119,6 +119,10 @@ class PacingConfig(Section):
 
     max_versions_ahead: int | None = Field(default=1, ge=0, le=1000)  # η; 0 = synchronous; None = unbounded
     max_in_flight_groups: int = Field(default=64, ge=1, le=1_000_000)
+    # Dead-letter brake (docs/operations.md): at this many dead letters per minute (over the window) the
+    # prompt-buffer admits nothing until they fall to half; None = off
+    dead_letter_brake_per_min: float | None = Field(default=30.0, gt=0, le=1_000_000)
+    dead_letter_brake_window_s: float = Field(default=60.0, ge=1, le=3600)  # the brake's sliding window
 
 
 class RolloutConfig(Section):

@@ -112,7 +112,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         proc("group-collector", TIER_CONSUMERS),
     ]
     if cfg.eval.every_versions > 0:
-        specs.append(proc("eval-worker", TIER_CONSUMERS))
+        specs.append(proc("eval-worker", TIER_CONSUMERS, optional=True))  # its failure never ends the run
     specs.append(proc("prompt-buffer", TIER_SOURCE, may_finish=True))
     for i in range(1, c.workers + 1):
         # The worker's Prometheus port is metrics_port_base + 2 + replica; on one host replicas 0..2

@@ -75,6 +75,8 @@ class Snapshot:
     dead_by_reason: Counter[str]
     beats: list[Beat]
     recent: list[dict[str, Any]]  # {p}:metrics rows of the last RECENT_S seconds
+    brake: dict[str, str] | None = None  # {p}:prompt_buffer:brake (the dead-letter brake), if ever written
+    degraded: dict[str, str] = field(default_factory=dict)  # {p}:ops:degraded: optional service -> why down
 
 
 def stream_names(keys: Keys) -> dict[str, str]:
@@ -169,4 +171,6 @@ def collect(r: redis.Redis, keys: Keys) -> Snapshot:
         published=streams["weights:log"], window=_window(r, keys),
         control={text(k): text(v) for k, v in r.hgetall(keys.control).items()},
         stats={text(k): int(v) for k, v in r.hgetall(keys.custom("stats")).items()},
-        dead_by_reason=_dead_reasons(r, keys), beats=_beats(r, keys), recent=recent)
+        dead_by_reason=_dead_reasons(r, keys), beats=_beats(r, keys), recent=recent,
+        brake={text(k): text(v) for k, v in r.hgetall(keys.custom("prompt_buffer", "brake")).items()} or None,
+        degraded={text(k): text(v) for k, v in r.hgetall(keys.custom("ops", "degraded")).items()})

@@ -112,6 +112,10 @@ def render(s: Snapshot, previous: Snapshot | None = None, expected: Sequence[str
         out.append("WINDOW      (collector has not written {p}:collector:window)")
     if s.control:
         out.append("CONTROL     " + "  ".join(f"{k}={v}" for k, v in sorted(s.control.items())))
+    if s.brake and s.brake.get("engaged") == "1":
+        out.append(f"PAUSED      prompt-buffer admits nothing (dead-letter brake): {s.brake.get('why', '?')}")
+    for name, why in sorted(s.degraded.items()):
+        out.append(f"DEGRADED    optional service {name} is down: {why}")
     out.append("STREAMS     " + "  ".join(f"{k} {v}" for k, v in s.streams.items()))
     out.append("GROUPS      stream    group      pending  lag     consumers (pending, idle)")
     for g in s.groups:

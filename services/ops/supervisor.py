@@ -9,7 +9,12 @@ Contract:
 * a child that exits ends the run: exit 0 of an ``ends_run`` process is success; exit 0 of a
   ``may_finish`` process is noted and the others keep running; any other exit is a failure naming the
   process, its exit code and the last lines of its log -- unless ``restart`` is on, in which case it is
-  started again after an exponential backoff (``RestartPolicy``, pure) until its budget is spent.
+  started again after an exponential backoff (``RestartPolicy``, pure) until its budget is spent;
+  the budget recovers after a healthy period (a run of at least ``stable_s`` resets the count);
+* an ``optional`` process (the eval-worker) never ends the run: when it fails (without restart, or
+  with its restart budget spent) it is *reported* -- ``degraded`` names it with the reason, one
+  error line -- and, with restart on, it is still tried again every ``cap_s`` (it comes back by
+  itself once the cause is gone, and then leaves ``degraded``).
 The supervisor never leaves a child behind: ``stop()`` is idempotent and runs on every exit path.
 """
 
@@ -51,6 +56,7 @@ class ProcessSpec:
     ready_timeout_s: float = 120.0
     ends_run: bool = False  # exit 0 ends the run successfully (the trainer after max_steps)
     may_finish: bool = False  # exit 0 is a normal end of this process only (not restarted)
+    optional: bool = False  # its failure is reported (``Supervisor.degraded``), never fatal to the run
     cwd: str | None = None
 
 
@@ -134,6 +140,7 @@ class Supervisor:
         self.children = [_Child(s) for s in specs]
         self.restart, self.grace_s, self.poll_s = restart, grace_s, poll_s
         self.policy = policy or RestartPolicy()
+        self.degraded: dict[str, str] = {}  # optional process name -> why it is not (reliably) running
         self._stopped = False
 
     # -- starting -------------------------------------------------------------------------
@@ -200,6 +207,9 @@ class Supervisor:
                 continue
             code = child.proc.poll()
             if code is None:
+                if child.spec.name in self.degraded and now - child.started_at >= self.policy.stable_s:
+                    log.info("%s is healthy again (up %.0fs)", child.spec.name, now - child.started_at)
+                    del self.degraded[child.spec.name]
                 continue
             self._close_log(child)
             spec = child.spec
@@ -218,9 +228,25 @@ class Supervisor:
                     child.restart_at = now + delay
                     log.warning("%s exited with code %s; restarting in %.1fs", spec.name, code, delay)
                     continue
+                if spec.optional:
+                    self._degrade(child, f"exited {child.restarts + 1} times (last code {code}); "
+                                         f"retried every {self.policy.cap_s:.0f}s", tail)
+                    child.restart_at = now + self.policy.cap_s
+                    continue
                 return RunResult("failed", spec.name, code, tail, f"exited {child.restarts} times")
+            if spec.optional:
+                self._degrade(child, f"exited with code {code} (not restarted: restart is off)", tail)
+                child.finished = True
+                continue
             return RunResult("failed", spec.name, code, tail, "exited")
         return None
+
+    def _degrade(self, child: _Child, why: str, tail: str) -> None:
+        """Report an optional process that is down; the run goes on."""
+        if self.degraded.get(child.spec.name) != why:
+            log.error("optional service %s is down: %s; the run continues without it. Last lines:\n%s",
+                      child.spec.name, why, tail)
+        self.degraded[child.spec.name] = why
 
     def run(self, stop_requested: Callable[[], bool], tick: Callable[[], None] | None = None,
             tick_every_s: float = 1.0, before_stop: Callable[[RunResult], None] | None = None) -> RunResult:

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from services.ops.metricslog import MetricsLog
 from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, public_url, run_prefix
@@ -105,6 +106,20 @@ def wait_final_eval(progress: Progress, every: int, timeout_s: float, stopped: C
     return False
 
 
+def report_degraded(r: Any, key: str, degraded: dict[str, str]) -> None:
+    """Mirror the supervisor's down optional services into ``{p}:ops:degraded`` for ``dressage status``."""
+    import redis
+
+    try:
+        with r.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if degraded:
+                pipe.hset(key, mapping=degraded)
+            pipe.execute()
+    except redis.RedisError as exc:  # Redis restarting: the next tick writes it again
+        log.warning("could not write %s: %s", key, exc)
+
+
 def write_run_info(run_dir: Path, cfg: DressageConfig, choices: RunChoices, services: list[str]) -> None:
     info = {"redis_url": public_url(choices.redis_url), "prefix": choices.prefix, "config": choices.config_path,
             "run_dir": str(run_dir), "started_at": time.time(), "pid": os.getpid(), "services": services,
@@ -171,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                 sup.stop(min_tier=TIER_SOURCE)  # no new rollouts; the eval worker keeps going
                 wait_final_eval(progress, cfg.eval.every_versions, FINAL_EVAL_WAIT_S, lambda: stop.is_set)
 
-        result = sup.run(lambda: stop.is_set, tick=progress.tick, before_stop=finish_evaluation)
+        degraded_key = keys.custom("ops", "degraded")
+
+        def tick() -> None:
+            progress.tick()
+            report_degraded(r, degraded_key, sup.degraded)
+
+        result = sup.run(lambda: stop.is_set, tick=tick, before_stop=finish_evaluation)
         progress.finish()
         sys.stdout.write(result.describe() + "\n")
         if not result.ok:

@@ -8,6 +8,10 @@ the first) continues exactly after the last committed prompt — nothing skipped
 How many groups may be emitted comes from ``pacing.PacingPolicy`` over the persistent counters
 and the published version, plus a backpressure cap on the length of ``{p}:prompts``. The loop
 wakes immediately on a new weight version (``VersionWatcher``) and polls otherwise.
+
+The dead-letter brake (``brake.BrakePolicy``) reads the ``{p}:dead`` entries of its window on
+every step; while it is engaged nothing is emitted, ``{p}:prompt_buffer:brake`` (read by
+``dressage status``) says why, and ``prompt_buffer/brake_engaged`` is 1 in the metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 import redis
 
+from services.prompt_buffer.brake import BrakePolicy, why
 from services.prompt_buffer.pacing import PacingInputs, PacingPolicy, version_index
 from services.prompt_buffer.schedule import Cursor, Schedule, prompt_group
 from shared.codec import encode_entry
@@ -42,13 +47,18 @@ def _int(raw: Any, key: str) -> int:
         raise DressageError(f"{key}: expected an integer, got {raw!r}") from exc
 
 
+def _field(fields: dict[bytes, bytes], name: str) -> str:
+    raw = fields.get(name.encode())
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else "unknown"
+
+
 class PromptBuffer:
     def __init__(self, r: redis.Redis, keys: Keys, rows: list[dict[str, Any]], schedule: Schedule,
                  policy: PacingPolicy, *, n_samples: int, consumer: str, burst: bool = False,
                  poll_s: float = 0.2, max_stream_len: int = 100_000, chunk: int = 64,
                  heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
                  stop: StopFlag | None = None, gauges: MetricGauges | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, brake: BrakePolicy | None = None) -> None:
         self.r, self.keys, self.rows, self.schedule, self.policy = r, keys, rows, schedule, policy
         self.n_samples, self.consumer, self.burst = n_samples, consumer, burst
         self.poll_s, self.max_stream_len, self.chunk = poll_s, max_stream_len, chunk
@@ -57,6 +67,10 @@ class PromptBuffer:
         self.clock = clock
         self.stats_key = keys.custom("stats")
         self.cursor_key = keys.custom("prompt_buffer", "cursor")
+        self.brake_key = keys.custom("prompt_buffer", "brake")
+        self.brake = brake or BrakePolicy(None, 60.0)
+        self.braked = False
+        self.brake_why = ""
         self._factory = redis_factory or (lambda: r)
         self._wake = threading.Event()
         self._heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
@@ -87,6 +101,31 @@ class PromptBuffer:
         stream_room = self.max_stream_len - int(self.r.xlen(self.keys.prompts))
         self.last_capacity = max(0, min(capacity, stream_room))
         return self.last_capacity, state
+
+    def check_brake(self) -> bool:
+        """Count the dead letters of the brake window (Redis clock); True while admissions are paused."""
+        if not self.brake.enabled:
+            return False
+        sec, usec = self.r.time()
+        start_ms = max(0, int(sec) * 1000 + int(usec) // 1000 - int(self.brake.window_s * 1000))
+        entries = self.r.xrange(self.keys.dead, min=f"{start_ms}-0", max="+", count=self.brake.limit + 1)
+        engaged = self.brake.engaged(self.braked, len(entries))
+        if engaged:
+            self.brake_why = why((_field(f, "reason") for _, f in entries), len(entries), self.brake)
+        if engaged != self.braked:
+            if engaged:
+                log.warning("admissions paused by the dead-letter brake: %s", self.brake_why)
+            else:
+                log.info("admissions resumed: %d dead letters in the last %.0fs (released at <= %d)",
+                         len(entries), self.brake.window_s, self.brake.limit // 2)
+                self.brake_why = ""
+            self.braked = engaged
+            self._last_report = 0.0  # the change shows in the metrics at once
+        if engaged or self.r.exists(self.brake_key):
+            self.r.hset(self.brake_key, mapping={"engaged": int(engaged), "why": self.brake_why,
+                                                 "recent": len(entries), "limit": self.brake.limit,
+                                                 "window_s": self.brake.window_s, "updated_at": f"{self.clock():.3f}"})
+        return engaged
 
     # --- emitting --------------------------------------------------------------------------
 
@@ -129,6 +168,9 @@ class PromptBuffer:
                 self._waiting_logged = True
             return 0
         self._waiting_logged = False
+        if self.check_brake():
+            self._report(state, 0)
+            return 0
         emitted = self.emit(min(room, self.chunk))
         self._report(state, emitted)
         return emitted
@@ -141,7 +183,8 @@ class PromptBuffer:
         metrics = {"prompt_buffer/groups_produced": state.groups_produced + emitted,
                    "prompt_buffer/in_flight": state.in_flight + emitted,
                    "prompt_buffer/capacity": self.last_capacity - emitted,
-                   "prompt_buffer/version_index": -1 if state.version_index is None else state.version_index}
+                   "prompt_buffer/version_index": -1 if state.version_index is None else state.version_index,
+                   "prompt_buffer/brake_engaged": int(self.braked)}
         report_metrics(self.r, self.keys, SERVICE, metrics)
         if self.gauges is not None:
             self.gauges.set(metrics)
@@ -163,7 +206,8 @@ class PromptBuffer:
                     cursor = self.cursor()
                     exhausted = self.schedule.exhausted(cursor)
                     self._heartbeat.beat({"epoch": cursor.epoch, "position": cursor.position,
-                                          "capacity": self.last_capacity, "exhausted": exhausted})
+                                          "capacity": self.last_capacity, "exhausted": exhausted,
+                                          "paused": self.brake_why})
                     backoff = 0.1
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)

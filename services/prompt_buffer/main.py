@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from services.prompt_buffer.brake import BrakePolicy
 from services.prompt_buffer.buffer import SERVICE, PromptBuffer
 from services.prompt_buffer.pacing import PacingPolicy, groups_per_version
 from services.prompt_buffer.schedule import Schedule
@@ -27,7 +28,9 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
                           n_samples=cfg.prompt_buffer.n_samples, consumer=consumer_name(SERVICE), burst=args.burst,
                           poll_s=cfg.prompt_buffer.poll_s, max_stream_len=cfg.prompt_buffer.max_stream_len,
                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, redis_factory=cfg.redis.client,
-                          stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port))
+                          stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port),
+                          brake=BrakePolicy(cfg.pacing.dead_letter_brake_per_min,
+                                            cfg.pacing.dead_letter_brake_window_s))
     return buffer.run
 
 

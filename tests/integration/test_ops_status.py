@@ -85,6 +85,21 @@ def test_render_shows_every_section(redis_client: redis.Redis, keys: Keys) -> No
     assert re.search(r"proxy\s+-\s+DOWN", screen) and re.search(r"trainer\s+trainer\s+alive", screen)
 
 
+def test_render_says_why_admissions_are_paused_and_which_optional_service_is_down(
+        redis_client: redis.Redis, keys: Keys) -> None:
+    redis_client.hset(keys.custom("prompt_buffer", "brake"),
+                      mapping={"engaged": 1, "why": "40 dead letters in the last 60s (brake at 30, ...)"})
+    redis_client.hset(keys.custom("ops", "degraded"), "eval-worker", "exited 11 times (last code 1)")
+    screen = status.render(snapshot.collect(redis_client, keys))
+    lines = {line.split()[0]: line for line in screen.splitlines() if line and not line.startswith(" ")}
+    assert "dead-letter brake): 40 dead letters in the last 60s" in lines["PAUSED"]
+    assert "eval-worker is down: exited 11 times" in lines["DEGRADED"]
+    redis_client.hset(keys.custom("prompt_buffer", "brake"), "engaged", 0)
+    redis_client.delete(keys.custom("ops", "degraded"))
+    screen = status.render(snapshot.collect(redis_client, keys))
+    assert "PAUSED" not in screen and "DEGRADED" not in screen
+
+
 def test_engines_are_probed_over_http() -> None:
     class Engine(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server API

@@ -188,3 +188,46 @@ def test_partial_stop_then_before_stop_hook_then_full_stop(tmp_path: Path) -> No
 def run_until_with_hook(sup: Supervisor, hook: object, timeout: float = 10.0) -> RunResult:
     deadline = time.monotonic() + timeout
     return sup.run(stop_requested=lambda: time.monotonic() > deadline, before_stop=hook)  # type: ignore[arg-type]
+
+
+def test_optional_service_that_keeps_failing_is_reported_not_fatal_and_comes_back(tmp_path: Path) -> None:
+    gate = tmp_path / "fixed"  # the cause goes away once this file exists
+    code = f"import os, sys, time\nif not os.path.exists({str(gate)!r}): sys.exit(3)\ntime.sleep(60)\n"
+    policy = RestartPolicy(base_s=0.02, cap_s=0.3, max_restarts=2, stable_s=0.5)
+    sup = Supervisor([spec("eval-worker", code, tmp_path, optional=True), spec("trainer", SLEEP, tmp_path)],
+                     restart=True, policy=policy, grace_s=5)
+    seen: list[dict[str, str]] = []
+
+    def tick() -> None:
+        seen.append(dict(sup.degraded))
+        if len(seen) == 15:
+            gate.touch()
+
+    deadline = time.monotonic() + 6.0
+    result = sup.run(lambda: time.monotonic() > deadline, tick=tick, tick_every_s=0.1)
+    assert result.outcome == "stopped"  # the run outlived the optional service's failures
+    assert any("eval-worker" in d and "exited" in d["eval-worker"] for d in seen[:15]), seen[:15]
+    assert sup.degraded == {}, sup.degraded  # healthy for stable_s after the cause went away
+    assert (tmp_path / "eval-worker.log").read_text().count("starting eval-worker") >= 4
+
+
+def test_optional_service_without_restart_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:
+    sup = Supervisor([spec("eval-worker", "raise SystemExit(9)", tmp_path, optional=True),
+                      spec("trainer", "import time; time.sleep(1.0)", tmp_path, ends_run=True)], grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "finished" and result.name == "trainer"
+    assert "code 9" in sup.degraded["eval-worker"]
+
+
+def test_restart_budget_recovers_after_a_healthy_period(tmp_path: Path) -> None:
+    """Two quick crashes, a healthy run longer than stable_s, two more crashes: still within a budget of 2."""
+    counter = tmp_path / "runs.txt"
+    code = (f"import time\nf = open({str(counter)!r}, 'a'); f.write('x'); f.close()\n"
+            f"n = len(open({str(counter)!r}).read())\n"
+            "time.sleep(0.8 if n == 3 else 0.0)\nraise SystemExit(4)\n")
+    policy = RestartPolicy(base_s=0.02, cap_s=0.05, max_restarts=2, stable_s=0.5)
+    sup = Supervisor([spec("collector", code, tmp_path)], restart=True, policy=policy, grace_s=5)
+    result = run_until(sup)
+    assert result.outcome == "failed" and result.exit_code == 4
+    # runs 1-3 use the budget (2 restarts), run 3 is healthy (0.8 s > stable_s): 2 more restarts allowed
+    assert len(counter.read_text()) == 5
