@@ -1,10 +1,11 @@
-"""FastAPI shell of the engine: SGLang's HTTP routes over the `Scheduler`.
+"""FastAPI shell of the engine: SGLang's HTTP routes over the `EngineService`.
 
-Invariant: handlers never touch the model or the KV cache. They validate the body, hand a
-request or a command to the scheduler thread and await its future, so the event loop stays
-free while tokens are computed. Errors: a bad body is 422 naming the field; a live duplicate
-``rid`` is 400; a full queue is 503 with ``Retry-After``; a checkpoint that cannot be loaded is
-400 with ``{"success": false, "message"}`` (SGLang's shape) and leaves the old weights serving.
+Invariant: handlers never touch the model or the KV cache (see `service.py`). Errors: a
+malformed body or unknown field is 422 naming the field; a field SGLang accepts but this engine
+cannot apply is 400 ``{"error": {"message", "param"}}`` naming it (SGLang's status); a live
+duplicate ``rid`` is 400; a full queue is 503 with ``Retry-After``; a checkpoint that cannot be
+loaded is 400 with ``{"success": false, "message"}`` (SGLang's shape) and leaves the old weights
+serving. Every route is listed in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -13,117 +14,27 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from services.engine.protocol import (
-    AbortBody,
-    GenerateBody,
-    PauseBody,
-    UpdateWeightsBody,
-    generate_response,
+from services.engine.metrics import CONTENT_TYPE, registry_for, scrape
+from services.engine.protocol import AbortBody, GenerateBody, PauseBody, UpdateWeightsBody
+from services.engine.requests import (
+    DuplicateRequest,
+    EngineBusy,
+    GenRequest,
+    InvalidRequest,
+    UnsupportedField,
 )
-from services.engine.requests import DuplicateRequest, EngineBusy, GenRequest, GenResult, InvalidRequest
-from services.engine.sampling import SamplingSpec
-from services.engine.scheduler import Scheduler
-from services.engine.weights import WeightLoadError, check_state, read_checkpoint
+from services.engine.service import EngineService
+from services.engine.weights import WeightLoadError
+
+__all__ = ["EngineService", "build_app"]
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
 log = logging.getLogger(__name__)
-
-
-class EngineService:
-    """Async operations of the engine; everything model-related goes through the scheduler."""
-
-    def __init__(self, scheduler: Scheduler, tokenizer: Any | None, *, eos_ids: Iterable[int] = (),
-                 max_new_tokens_limit: int = 4096, tokenizer_path: str | None = None) -> None:
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer  # None: only input_ids in, empty text out
-        self.eos_ids = frozenset(int(i) for i in eos_ids)
-        self.max_new_tokens_limit = max_new_tokens_limit
-        self.tokenizer_path = tokenizer_path
-        self._update_lock = asyncio.Lock()  # weight updates apply in call order
-
-    def _prompt_ids(self, body: GenerateBody) -> list[int]:
-        if body.input_ids is not None:
-            return body.input_ids
-        if self.tokenizer is None:
-            raise InvalidRequest("text", "this engine has no tokenizer; send input_ids")
-        return [int(i) for i in self.tokenizer.encode(body.text or "")]
-
-    def to_request(self, body: GenerateBody) -> GenRequest:
-        sp = body.sampling_params
-        if sp.max_new_tokens > self.max_new_tokens_limit:
-            raise InvalidRequest("sampling_params.max_new_tokens",
-                                 f"{sp.max_new_tokens} exceeds this engine's limit {self.max_new_tokens_limit}")
-        ids = self._prompt_ids(body)
-        if body.return_logprob and body.logprob_start_len >= len(ids):
-            raise InvalidRequest("logprob_start_len", f"{body.logprob_start_len} is not below the prompt "
-                                                      f"length {len(ids)}")
-        stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else self.eos_ids)
-        return GenRequest(
-            rid=body.rid or uuid.uuid4().hex, input_ids=ids, max_new_tokens=sp.max_new_tokens,
-            sampling=SamplingSpec(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                  seed=sp.sampling_seed),
-            stop_token_ids=frozenset(stops),
-            logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
-        )
-
-    async def run(self, req: GenRequest) -> GenResult:
-        """Submit `req` and wait for its result; a cancelled caller aborts the request."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[GenResult] = loop.create_future()
-
-        def settle(res: GenResult) -> None:
-            if not fut.done():
-                fut.set_result(res)
-
-        def deliver(res: GenResult) -> None:  # runs on the scheduler thread
-            loop.call_soon_threadsafe(settle, res)
-
-        self.scheduler.submit(req, deliver)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self.scheduler.abort(req.rid)
-            raise
-
-    async def generate(self, body: GenerateBody) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        req = self.to_request(body)
-        result = await self.run(req)
-        tok, skip = self.tokenizer, body.sampling_params.skip_special_tokens
-        text = tok.decode(result.output_ids, skip_special_tokens=skip) if tok is not None else ""
-        token_texts = input_texts = None
-        if body.return_logprob and body.return_text_in_logprobs and tok is not None:
-            token_texts = [tok.decode([t]) for t in result.output_ids]
-            if result.input_logprobs is not None:
-                input_texts = [tok.decode([t]) for t in req.input_ids[body.logprob_start_len:]]
-        return generate_response(result, body, req.input_ids, text, token_texts, input_texts,
-                                 time.perf_counter() - t0)
-
-    async def update_weights(self, body: UpdateWeightsBody) -> dict[str, Any]:
-        async with self._update_lock:
-            state = await asyncio.to_thread(read_checkpoint, body.model_path)
-            await asyncio.to_thread(check_state, self.scheduler.runner.model, state)
-            version = body.weight_version or self.scheduler.weight_version
-            if body.weight_version is None:  # SGLang keeps the label too, but tokens get mislabelled
-                log.warning("weight update without weight_version: new weights keep version=%s path=%s",
-                            version, body.model_path)
-            n = await asyncio.wrap_future(
-                self.scheduler.swap_weights(state, version, body.model_path, body.abort_all_requests))
-        return {"success": True, "message": f"weights of {body.model_path} loaded as version {version}",
-                "num_paused_requests": n, "weight_version": version}
-
-    def model_info(self) -> dict[str, Any]:
-        s = self.scheduler
-        return {"model_path": s.model_path, "tokenizer_path": self.tokenizer_path or s.model_path,
-                "is_generation": True, "weight_version": s.weight_version,
-                "context_length": s.runner.context_len, "vocab_size": s.runner.vocab_size,
-                "max_batch_size": s.max_batch_size, "paused": s.paused,
-                "preferred_sampling_params": None}
 
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -139,6 +50,11 @@ def build_app(service: EngineService) -> FastAPI:
         loc = ["body", *exc.field.replace("[", ".").replace("]", "").split(".")]
         return JSONResponse({"detail": [{"loc": loc, "msg": str(exc), "type": "value_error"}]}, 422)
 
+    @app.exception_handler(UnsupportedField)
+    async def _unsupported(_: Request, exc: UnsupportedField) -> JSONResponse:
+        log.info("refused field=%s: %s", exc.field, exc)
+        return JSONResponse({"error": {"message": str(exc), "type": "unsupported_field", "param": exc.field}}, 400)
+
     @app.exception_handler(DuplicateRequest)
     async def _duplicate(_: Request, exc: DuplicateRequest) -> JSONResponse:
         return _error(400, "duplicate_rid", str(exc))
@@ -152,16 +68,22 @@ def build_app(service: EngineService) -> FastAPI:
         log.warning("weight update refused: %s version=%s", exc, sched.weight_version)
         return JSONResponse({"success": False, "message": str(exc)}, 400)
 
+    registry = registry_for(service)
+
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> JSONResponse:
+    async def generate(body: GenerateBody) -> Response:
+        if body.stream:
+            prepared = service.prepare(body)  # refusals and bad values answer before the stream starts
+            return StreamingResponse(service.stream(body, prepared), media_type="text/event-stream")
         # Plain JSON types already: skip FastAPI's per-element jsonable_encoder pass.
         return JSONResponse(await service.generate(body))
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody) -> dict[str, Any]:
+        message = body.abort_message or "aborted by request"
         if body.abort_all:
-            return {"aborted": await asyncio.wrap_future(sched.abort_all())}
-        found: bool = await asyncio.wrap_future(sched.abort(body.rid))
+            return {"aborted": await asyncio.wrap_future(sched.abort_all(message))}
+        found: bool = await asyncio.wrap_future(sched.abort(body.rid, message))
         return {"aborted": int(found)}
 
     @app.post("/pause_generation")
@@ -179,9 +101,49 @@ def build_app(service: EngineService) -> FastAPI:
     async def update_weights_from_disk(body: UpdateWeightsBody) -> dict[str, Any]:
         return await service.update_weights(body)
 
-    @app.post("/flush_cache")
-    async def flush_cache() -> dict[str, Any]:
-        return {"success": True}  # no prefix cache: the batch cache holds only in-flight rows
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        # No prefix cache here: the batch cache holds only in-flight rows, so there is nothing to flush.
+        return PlainTextResponse("Cache flushed.\n(this engine keeps no prefix cache; nothing was held)\n")
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        c = sched.counts()
+        return [{"dp_rank": 0, "num_reqs": c["running"] + c["waiting"], "num_waiting_reqs": c["waiting"],
+                 "num_tokens": sched.kv_tokens() + sched.waiting_tokens()}]
+
+    @app.get("/v1/loads")
+    async def v1_loads(include: str | None = None, dp_rank: int | None = None,
+                       format: str | None = None) -> Response:  # noqa: A002 (SGLang's query name)
+        sections = {s.strip() for s in include.split(",")} if include else {"all"}
+        bad = sorted(sections - LOAD_SECTIONS)
+        if bad:
+            return JSONResponse({"detail": f"Invalid include sections: {bad}. Valid options: "
+                                           f"{sorted(LOAD_SECTIONS)}"}, 400)
+        if dp_rank not in (None, 0):
+            return JSONResponse({"detail": f"dp_rank {dp_rank} does not exist (this engine has rank 0)"}, 400)
+        load = service.loads()
+        if not sections & {"all", "core"}:
+            load = {k: v for k, v in load.items() if k in ("dp_rank", "timestamp") or isinstance(v, dict)}
+        if not sections & {"all", "queues"}:
+            load.pop("queues", None)
+        if format == "prometheus":
+            lines = []
+            for key, value in load.items():
+                items = value.items() if isinstance(value, dict) else [(None, value)]
+                for sub, v in items:
+                    if isinstance(v, bool) or not isinstance(v, int | float) or key in ("dp_rank", "timestamp"):
+                        continue
+                    name = f"sglang_{key}_{sub}" if sub else f"sglang_{key}"
+                    lines += [f"# TYPE {name} gauge", f'{name}{{dp_rank="0"}} {v}']
+            return PlainTextResponse("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
+        return JSONResponse({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                             "version": "dressage-engine", "accelerator": None, "num_accelerators": 0,
+                             "loads": [load]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(scrape(registry), media_type=CONTENT_TYPE)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

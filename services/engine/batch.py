@@ -4,7 +4,9 @@ Invariants: ``rows[i]`` owns KV row ``i`` and feeds ``last[i]`` at the next deco
 join (`join`, one prefill pass for all joiners) and leave (`decode` finishing them, `remove`)
 only between forward passes; every token appended to a sequence is tagged with the weight
 version passed for the forward pass that produced it. The batch never calls callbacks: it hands
-finished sequences back to the scheduler, which finishes them exactly once.
+finished sequences back to the scheduler, which finishes them exactly once. A row finishes on a
+stop token, a stop string / regex (``GenRequest.stop_check``) or its budget, never on a stop
+before ``min_new_tokens`` tokens exist.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 import torch
 
 from services.engine.kv import PaddedKV
-from services.engine.requests import DoneCallback, GenRequest, length_reason, stop_reason
+from services.engine.requests import DoneCallback, GenRequest, ProgressCallback, length_reason, stop_reason
 from services.engine.runner import ModelRunner
-from services.engine.sampling import BatchSampler
+from services.engine.sampling import BatchSampler, adjust_logits
+
+TopList = list[tuple[float, int]]
 
 Finished = list[tuple["Seq", dict[str, Any]]]  # (sequence, finish reason)
 
@@ -37,6 +41,26 @@ class Seq:
     versions: list[str] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     arrived: float = field(default_factory=time.monotonic)  # when submitted
+    on_progress: ProgressCallback | None = None  # streaming: called by the scheduler after each token
+    top: list[TopList] | None = None  # output top logprobs (top_logprobs_num > 0)
+    ids_lp: list[TopList] | None = None  # output token_ids_logprob
+    input_top: list[TopList | None] | None = None
+    input_ids_lp: list[TopList | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.req.top_logprobs_num > 0:
+            self.top = []
+        if self.req.token_ids_logprob:
+            self.ids_lp = []
+
+
+def _top(lp: torch.Tensor, n: int) -> TopList:
+    vals, idx = lp.topk(min(n, lp.shape[-1]))
+    return list(zip(vals.tolist(), idx.tolist(), strict=True))
+
+
+def _pick(lp: torch.Tensor, ids: tuple[int, ...]) -> TopList:
+    return list(zip(lp[list(ids)].tolist(), ids, strict=True))
 
 
 class RunningBatch:
@@ -55,14 +79,23 @@ class RunningBatch:
     def join(self, joiners: list[Seq], version: str) -> Finished:
         """Prefill `joiners` together, give each its first token, merge the unfinished ones in."""
         want = [i for i, s in enumerate(joiners) if s.req.logprob_start_len >= 0]
-        out = self.runner.prefill([s.req.input_ids for s in joiners], logprob_rows=want)
+        dists = [i for i in want if joiners[i].req.top_logprobs_num or joiners[i].req.token_ids_logprob]
+        out = self.runner.prefill([s.req.input_ids for s in joiners], logprob_rows=want, dist_rows=dists)
         for i in want:
+            s = joiners[i]
             lps: list[float | None] = [None, *out.logprobs[i]] if out.logprobs else []
-            joiners[i].input_logprobs = lps[joiners[i].req.logprob_start_len:]
+            s.input_logprobs = lps[s.req.logprob_start_len:]
+            if out.dists is not None and i in out.dists:
+                rows = out.dists[i][max(s.req.logprob_start_len - 1, 0):]
+                first: list[TopList | None] = [None] if s.req.logprob_start_len == 0 else []
+                if s.req.top_logprobs_num:
+                    s.input_top = first + [_top(r, s.req.top_logprobs_num) for r in rows]
+                if s.req.token_ids_logprob:
+                    s.input_ids_lp = first + [_pick(r, s.req.token_ids_logprob) for r in rows]
         sampler = BatchSampler([s.req.sampling for s in joiners], self.runner.vocab_size)
         tokens = self._sample(sampler, joiners, out.last_logits)
         done = {i: length_reason(0) for i, s in enumerate(joiners) if s.budget <= 0}  # prompt logprobs only
-        done.update(self._record(joiners, tokens, version, skip=done))
+        done.update(self._record(joiners, tokens, version, sampler, skip=done))
         keep = [i for i in range(len(joiners)) if i not in done]
         if keep:
             out.kv.select(keep)
@@ -80,7 +113,7 @@ class RunningBatch:
             self._sampler = BatchSampler([s.req.sampling for s in self.rows], self.runner.vocab_size)
         tokens = self._sample(self._sampler, self.rows, logits)
         self._last = tokens[0]
-        done = self._record(self.rows, tokens, version)
+        done = self._record(self.rows, tokens, version, self._sampler)
         finished = [(self.rows[i], reason) for i, reason in done.items()]
         if done:
             self.remove(done)
@@ -111,22 +144,33 @@ class RunningBatch:
         # Seeded draws are keyed by the token's absolute position, so a request resumed from
         # prompt + partial output (same seed) continues the random stream it was cut from.
         positions = [len(s.req.input_ids) + len(s.out) for s in seqs]
+        logits = adjust_logits(logits, sampler.specs, [s.out for s in seqs], [s.req.stop_token_ids for s in seqs])
         u = None if sampler.all_greedy else sampler.uniforms(positions, self.rng)
         return sampler.sample(logits, u)
 
     def _record(self, seqs: list[Seq], tokens: tuple[torch.Tensor, torch.Tensor], version: str,
-                skip: dict[int, Any] | None = None) -> dict[int, dict[str, Any]]:
+                sampler: BatchSampler, skip: dict[int, Any] | None = None) -> dict[int, dict[str, Any]]:
         """Append each row's new token; return {row: finish reason} for rows that finished."""
         done: dict[int, dict[str, Any]] = {}
         for i, (tok, lp) in enumerate(zip(tokens[0].tolist(), tokens[1].tolist(), strict=True)):
             if skip and i in skip:
                 continue
-            s = seqs[i]
+            s, req = seqs[i], seqs[i].req
             s.out.append(tok)
             s.logprobs.append(lp)
             s.versions.append(version)
-            if tok in s.req.stop_token_ids:
+            if (s.top is not None or s.ids_lp is not None) and sampler.logp is not None:
+                row = sampler.logp[i]
+                if s.top is not None:
+                    s.top.append(_top(row, req.top_logprobs_num))
+                if s.ids_lp is not None:
+                    s.ids_lp.append(_pick(row, req.token_ids_logprob))
+            may_stop = len(s.out) >= req.min_new_tokens
+            matched = req.stop_check(s.out) if may_stop and req.stop_check is not None else None
+            if may_stop and tok in req.stop_token_ids:
                 done[i] = stop_reason(tok)
+            elif matched is not None:
+                done[i] = stop_reason(matched)
             elif len(s.out) >= s.budget:
                 done[i] = length_reason(len(s.out))
         self.generated += len(seqs) - len(skip or ())

@@ -25,6 +25,7 @@ class PrefillOut:
     kv: PaddedKV  # the joiners' cache, rows in input order
     last_logits: torch.Tensor  # [b, V] logits after each row's last prompt token
     logprobs: list[list[float]] | None  # per row, logprob of prompt token j (j >= 1) when asked
+    dists: dict[int, torch.Tensor] | None = None  # row -> [n - 1, V] log-softmax (top logprobs), when asked
 
 
 class ModelRunner:
@@ -53,8 +54,10 @@ class ModelRunner:
         )
         return out.logits
 
-    def prefill(self, prompts: Sequence[Sequence[int]], logprob_rows: Sequence[int] = ()) -> PrefillOut:
-        """Run `prompts` together; prompt logprobs are computed for the rows in `logprob_rows`."""
+    def prefill(self, prompts: Sequence[Sequence[int]], logprob_rows: Sequence[int] = (),
+                dist_rows: Sequence[int] = ()) -> PrefillOut:
+        """Run `prompts` together; prompt logprobs are computed for the rows in `logprob_rows`,
+        whole prompt distributions kept for the rows in `dist_rows` (a subset of it)."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -68,6 +71,7 @@ class ModelRunner:
             logits = self._forward(ids, mask, pos, cache, keep=0 if logprob_rows else 1)
             last = logits[:, -1, :].float()
             logprobs: list[list[float]] | None = None
+            dists: dict[int, torch.Tensor] = {}
             if logprob_rows:
                 logprobs = [[] for _ in prompts]
                 for row in logprob_rows:
@@ -75,8 +79,10 @@ class ModelRunner:
                     lp = torch.log_softmax(logits[row, width - n:-1, :].float(), dim=-1)
                     tok = ids[row, width - n + 1:].to(lp.device)
                     logprobs[row] = lp.gather(1, tok[:, None]).squeeze(1).tolist()
+                    if row in dist_rows:
+                        dists[row] = lp.cpu()
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        return PrefillOut(PaddedKV(cache, mask, lengths), last.cpu(), logprobs)
+        return PrefillOut(PaddedKV(cache, mask, lengths), last.cpu(), logprobs, dists or None)
 
     def decode(self, kv: PaddedKV, tokens: torch.Tensor) -> torch.Tensor:
         """Feed `tokens` [B] (one per row) and return next-token logits [B, V] (float32, cpu)."""

@@ -18,6 +18,13 @@ Contract (pure torch, no model, no I/O):
   else shares its batch and whenever it runs, and a generation resumed from prompt + partial
   output with the same seed continues the same random stream. Rows without a seed use the
   engine's own RNG.
+* Logit processing before temperature, as SGLang does (`adjust_logits`, only for rows that ask):
+  ``repetition_penalty`` divides positive / multiplies negative logits of tokens already
+  generated (output only, SGLang 0.5); ``frequency_penalty`` subtracts ``count`` and
+  ``presence_penalty`` subtracts 1 for every generated token; ``logit_bias`` is added; while
+  fewer than ``min_new_tokens`` tokens exist the stop ids are masked out. The reported logprob
+  is then taken from these adjusted logits (divided by T). ``min_p`` keeps the tokens whose
+  probability is at least ``min_p`` times the most likely one's (a truncation like top-p).
 """
 
 from __future__ import annotations
@@ -40,10 +47,50 @@ class SamplingSpec:
     top_p: float = 1.0  # (0, 1]; 1 = off
     top_k: int = -1  # <= 0 = off
     seed: int | None = None  # sampling_seed; None = engine RNG
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    frequency_penalty: float = 0.0  # [-2, 2]
+    presence_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # (0, 2]; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    min_new_tokens: int = 0  # stop ids masked out while fewer tokens were generated
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def adjusts(self) -> bool:
+        """True if `adjust_logits` changes this row's logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_new_tokens)
+
+
+def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec], outputs: Sequence[Sequence[int]],
+                  stop_ids: Sequence[frozenset[int]]) -> torch.Tensor:
+    """Penalties, logit bias and the min_new_tokens mask for the rows that ask (see the module doc).
+
+    `outputs[i]` are the tokens row i generated so far; returns `logits` (float32, a copy only
+    when some row is adjusted).
+    """
+    rows = [i for i, s in enumerate(specs) if s.adjusts]
+    if not rows:
+        return logits
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        s, out, row = specs[i], outputs[i], logits[i]
+        if out and (s.frequency_penalty or s.presence_penalty or s.repetition_penalty != 1.0):
+            counts = torch.bincount(torch.tensor(list(out), dtype=torch.long), minlength=vocab)[:vocab].float()
+            seen = counts > 0
+            if s.repetition_penalty != 1.0:
+                p = s.repetition_penalty
+                row[seen] = torch.where(row[seen] < 0, row[seen] * p, row[seen] / p)
+            row -= s.frequency_penalty * counts + s.presence_penalty * seen.float()
+        for tok, bias in s.logit_bias:
+            row[tok] += bias
+        if len(out) < s.min_new_tokens and stop_ids[i]:
+            row[[t for t in stop_ids[i] if 0 <= t < vocab]] = float("-inf")
+    return logits
 
 
 def seeded_uniform(seed: int, index: int) -> float:
@@ -70,11 +117,13 @@ class BatchSampler:
         ps = [s.top_p for s in self.specs]
         # Which rows truncate depends on each row's own parameters only, so a row draws the
         # same token from the same uniform whatever rows share its batch.
-        rows = [k < vocab_size or p < 1.0 for k, p in zip(ks, ps, strict=True)]
+        rows = [k < vocab_size or p < 1.0 or s.min_p > 0 for k, p, s in zip(ks, ps, self.specs, strict=True)]
         self.truncate = any(rows)
         self.row_truncates = torch.tensor(rows, dtype=torch.bool)
         self.top_k = torch.tensor(ks, dtype=torch.long)
         self.top_p = torch.tensor(ps, dtype=torch.float32)
+        self.min_p = torch.tensor([s.min_p for s in self.specs], dtype=torch.float32)
+        self.logp: torch.Tensor | None = None  # [B, V] of the last `sample` call (top logprobs)
 
     def uniforms(self, positions: Sequence[int], rng: random.Random) -> torch.Tensor:
         """One uniform per row: seeded rows from (seed, their token's position), others from `rng`."""
@@ -88,7 +137,7 @@ class BatchSampler:
         """(tokens [B], logprobs [B]) for next-token `logits` [B, V]; `u` may be None if all greedy."""
         logits = logits.float()
         scaled = logits if self.unit_temp else logits / self.temps
-        logp = torch.log_softmax(scaled, dim=-1)
+        logp = self.logp = torch.log_softmax(scaled, dim=-1)
         if self.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -109,6 +158,7 @@ class BatchSampler:
         keep = ranks < self.top_k[:, None]
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above this token
         keep &= (before < self.top_p[:, None]) | (self.top_p[:, None] >= 1.0)
+        keep &= sorted_p >= self.min_p[:, None] * sorted_p[:, :1]
         keep[:, 0] = True  # the most likely token always stays
         picked = _inverse_cdf(sorted_p * keep, u)
         truncated = order.gather(1, picked[:, None]).squeeze(1)

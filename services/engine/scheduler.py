@@ -7,8 +7,12 @@ Invariants:
   commands run between two forward passes.
 * A weight swap happens only between two forward passes (never inside one token). Every output
   token carries the version of the weights that produced it (`GenResult.output_versions`);
-  `GenResult.weight_version` is the version of the last token. Requests in flight during a swap
-  keep their KV cache (computed with the old weights, as SGLang does) and go on with the new ones.
+  `GenResult.weight_version` is the version of the last token.
+* SGLang's update semantics: a requested swap waits until no running request is *pinned*
+  (``continue_across_weight_updates`` false, the default) and admits nobody meanwhile, so a
+  pinned request's tokens all have one version. Requests that opted in keep their KV cache
+  (computed with the old weights, as SGLang does) and go on with the new ones. While paused a
+  swap applies at once (as SGLang's update during ``pause_generation``).
 * Every submitted request finishes exactly once (stop, length or abort) and its callback runs
   exactly once, on the scheduler thread. An aborted request returns the tokens produced so far.
 * A rid is live from `submit` until its callback runs; submitting a live rid raises
@@ -28,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -40,6 +45,7 @@ from services.engine.requests import (
     GenRequest,
     GenResult,
     InvalidRequest,
+    ProgressCallback,
     abort_reason,
 )
 from services.engine.runner import ModelRunner
@@ -47,6 +53,16 @@ from services.engine.runner import ModelRunner
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PauseMode = Literal["abort", "in_place", "retract"]
+THROUGHPUT_WINDOW_S = 5.0  # gen_throughput: tokens per second over this trailing window
+
+
+@dataclass
+class _Swap:
+    state: dict[str, torch.Tensor]
+    version: str
+    model_path: str
+    done: Future[int]
+    aborted: int = 0
 
 
 class Scheduler:
@@ -65,7 +81,10 @@ class Scheduler:
         self.paused = False
         # "requests": generation requests accepted (queued) since start, for exactly-once checks under load.
         self.stats: dict[str, float] = {"prefills": 0, "decode_steps": 0, "generated_tokens": 0, "aborted": 0,
-                                        "swaps": 0, "busy_s": 0.0, "requests": 0}
+                                        "swaps": 0, "busy_s": 0.0, "requests": 0, "prompt_tokens": 0,
+                                        "finished": 0}
+        self._swaps: deque[_Swap] = deque()  # requested, waiting for pinned requests to finish
+        self._rate: deque[tuple[float, float]] = deque()  # (monotonic time, generated tokens)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -75,8 +94,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
 
     # ----- thread-safe API -------------------------------------------------------------------
-    def submit(self, req: GenRequest, on_done: DoneCallback) -> None:
-        """Queue `req`; raises InvalidRequest, DuplicateRequest or EngineBusy without queueing."""
+    def submit(self, req: GenRequest, on_done: DoneCallback, on_progress: ProgressCallback | None = None) -> None:
+        """Queue `req`; raises InvalidRequest, DuplicateRequest or EngineBusy without queueing.
+
+        `on_progress` (streaming) runs on the scheduler thread after each token of `req`.
+        """
         self._validate(req)
         budget = min(req.max_new_tokens, self.runner.context_len - len(req.input_ids))
         with self._lock:
@@ -88,12 +110,13 @@ class Scheduler:
                 raise EngineBusy(f"{len(self._live)} requests in the engine (max_queue={self.max_queue})")
             self._live.add(req.rid)
             self.stats["requests"] += 1
-        seq = Seq(req, on_done, budget)
+            self.stats["prompt_tokens"] += len(req.input_ids)
+        seq = Seq(req, on_done, budget, on_progress=on_progress)
         self._commands.put(lambda: self._waiting.append(seq))
 
-    def abort(self, rid: str) -> Future[bool]:
+    def abort(self, rid: str, message: str = "aborted by request") -> Future[bool]:
         """Abort `rid` (True if it was in the engine)."""
-        return self._call(lambda: self._abort(lambda s: s.req.rid == rid, "aborted by request") > 0)
+        return self._call(lambda: self._abort(lambda s: s.req.rid == rid, message) > 0)
 
     def abort_all(self, message: str = "aborted by request") -> Future[int]:
         return self._call(lambda: self._abort(lambda s: True, message))
@@ -115,19 +138,61 @@ class Scheduler:
 
     def swap_weights(self, state: dict[str, torch.Tensor], version: str, model_path: str,
                      abort_all: bool = False) -> Future[int]:
-        """Load checked `state` between two forward passes; returns the number of requests aborted."""
-        def run() -> int:
+        """Load checked `state` once no pinned request runs (at once while paused).
+
+        Returns the number of requests aborted (`abort_all`); the future resolves after the swap.
+        """
+        done: Future[int] = Future()
+
+        def run() -> None:
             n = self._abort(lambda s: True, "aborted by weight update") if abort_all else 0
-            self.runner.load_state(state)
-            old, self.weight_version, self.model_path = self.weight_version, version, model_path
+            self._swaps.append(_Swap(state, version, model_path, done, n))
+            self._apply_swaps()
+        self._commands.put(run)
+        return done
+
+    def _apply_swaps(self) -> None:
+        """Apply requested swaps, in order, when no pinned request is running (or when paused)."""
+        while self._swaps and (self.paused or not any(not s.req.continue_across_weight_updates
+                                                      for s in self.batch.rows)):
+            sw = self._swaps.popleft()
+            try:
+                self.runner.load_state(sw.state)
+            except Exception as exc:  # handed to the caller; the old weights keep serving
+                sw.done.set_exception(exc)
+                continue
+            old, self.weight_version, self.model_path = self.weight_version, sw.version, sw.model_path
             self.stats["swaps"] += 1
-            log.info("weights swapped version=%s previous=%s path=%s running=%d", version, old,
-                     model_path, len(self.batch))
-            return n
-        return self._call(run)
+            log.info("weights swapped version=%s previous=%s path=%s running=%d", sw.version, old,
+                     sw.model_path, len(self.batch))
+            sw.done.set_result(sw.aborted)
+
+    @property
+    def swap_pending(self) -> bool:
+        return bool(self._swaps)
+
+    def gen_throughput(self) -> float:
+        """Generated tokens per second over the last `THROUGHPUT_WINDOW_S` (0 when idle)."""
+        now, total = time.monotonic(), float(self.batch.generated)
+        rate = self._rate
+        if not rate or now - rate[-1][0] > 0.2:
+            rate.append((now, total))
+        while len(rate) > 1 and now - rate[0][0] > THROUGHPUT_WINDOW_S:
+            rate.popleft()
+        t0, g0 = rate[0]
+        return (total - g0) / (now - t0) if now - t0 > 0.05 else 0.0
+
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the requests waiting for a prefill."""
+        return sum(len(s.req.input_ids) for s in list(self._waiting))
+
+    def kv_tokens(self) -> int:
+        """Tokens held in the running batch's KV cache (prompt + output of every running row)."""
+        return sum(len(s.req.input_ids) + len(s.out) for s in list(self.batch.rows))
 
     def counts(self) -> dict[str, Any]:
         return {"running": len(self.batch), "waiting": len(self._waiting), "paused": self.paused,
+                "swaps_pending": len(self._swaps),
                 "weight_version": self.weight_version, **self.stats}
 
     # ----- thread ---------------------------------------------------------------------------
@@ -161,6 +226,8 @@ class Scheduler:
                     self._finish(seq, abort_reason("engine error"))
         self._drain()
         self._abort(lambda s: True, "engine shutting down")
+        while self._swaps:  # nobody waits forever on a swap that will not happen
+            self._swaps.popleft().done.set_exception(EngineBusy("the engine is shutting down"))
 
     def _gather_burst(self) -> None:
         """After idling, take the commands that arrive within `admit_wait_s` before computing.
@@ -186,10 +253,11 @@ class Scheduler:
         is the burst mode: it returns once every submitted request has finished.
         """
         self._drain()
+        self._apply_swaps()
         if self.paused:
             return False
         t0 = time.perf_counter()
-        joiners = self._admit()
+        joiners = [] if self._swaps else self._admit()  # a pending swap admits nobody (SGLang's lock)
         if joiners:
             self.stats["prefills"] += 1
             try:
@@ -203,9 +271,20 @@ class Scheduler:
         if self.batch:
             self.stats["decode_steps"] += 1
             self._finish_all(self.batch.decode(self.weight_version))
+        self._progress()
+        self._apply_swaps()
         self.stats["generated_tokens"] = self.batch.generated
         self.stats["busy_s"] += time.perf_counter() - t0  # wall time spent computing
         return bool(joiners or self.batch or self._waiting)
+
+    def _progress(self) -> None:
+        """Tell streaming requests still running about their tokens so far."""
+        for seq in self.batch.rows:
+            if seq.on_progress is not None:
+                try:
+                    seq.on_progress(self._result(seq, {}))
+                except Exception:  # a broken stream must not take the batch down
+                    log.exception("on_progress callback failed rid=%s", seq.req.rid)
 
     def _drain(self) -> None:
         while (cmd := self._get_command(timeout=0)) is not None:
@@ -266,13 +345,21 @@ class Scheduler:
         for seq, reason in finished:
             self._finish(seq, reason)
 
-    def _finish(self, s: Seq, reason: dict[str, Any]) -> None:
-        result = GenResult(
-            rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=s.out,
-            output_logprobs=s.logprobs, output_versions=s.versions, finish_reason=reason,
+    def _result(self, s: Seq, reason: dict[str, Any]) -> GenResult:
+        """`s` as a result; lists are copies, so a streamed snapshot never changes under its reader."""
+        return GenResult(
+            rid=s.req.rid, prompt_tokens=len(s.req.input_ids), output_ids=list(s.out),
+            output_logprobs=list(s.logprobs), output_versions=list(s.versions), finish_reason=reason,
             weight_version=s.versions[-1] if s.versions else self.weight_version,
             input_logprobs=s.input_logprobs,
+            output_top_logprobs=None if s.top is None else list(s.top),
+            output_token_ids_logprobs=None if s.ids_lp is None else list(s.ids_lp),
+            input_top_logprobs=s.input_top, input_token_ids_logprobs=s.input_ids_lp,
         )
+
+    def _finish(self, s: Seq, reason: dict[str, Any]) -> None:
+        result = self._result(s, reason)
+        self.stats["finished"] += 1
         with self._lock:
             self._live.discard(s.req.rid)
         log.debug("finished rid=%s reason=%s tokens=%d version=%s", s.req.rid, reason["type"],

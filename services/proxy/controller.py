@@ -303,6 +303,7 @@ class GenerationController:
             remaining = max_new_tokens - len(gen.output_ids)
             body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
                     "sampling_params": {**sampling, "max_new_tokens": remaining}}
+            body["continue_across_weight_updates"] = True  # engine opt-in: runs across a swap, versions per token
             chunk = await self._dispatch(session_id, body)
             if chunk is None:
                 continue  # answered on weights older than the published ones: discarded, sent again

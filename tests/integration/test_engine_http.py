@@ -178,7 +178,9 @@ def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(engine: En
 
 
 def test_weight_update_mid_generation_changes_the_version_per_token(engine: Engine) -> None:
-    fut = engine.background(gen([30, 31, 32], LONG, sampling={"ignore_eos": True}))
+    """The opt-in extension: a request that may run across a swap tags every token with its version."""
+    fut = engine.background(gen([30, 31, 32], LONG, sampling={"ignore_eos": True},
+                                continue_across_weight_updates=True))
     engine.wait_tokens(10)
     r = engine.post("/update_weights_from_disk", {"model_path": str(engine.perturbed_dir), "weight_version": "v1"})
     assert r.status_code == 200 and r.json()["success"] is True, r.text
@@ -213,7 +215,9 @@ def test_weight_update_mid_generation_changes_the_version_per_token(engine: Engi
     ({"input_ids": [1, 2, 100000]}, "input_ids"),
     ({"input_ids": [1] * 2048}, "input_ids"),
     ({"input_ids": [1], "text": "a"}, "text"),
-    ({"input_ids": [1], "sampling_params": {"stop": ["x"]}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "min_p"),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}}, "min_new_tokens"),
+    ({"input_ids": [[1], []]}, "input_ids"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 1}, "logprob_start_len"),
 ])
 def test_bad_generate_bodies_are_422_naming_the_field(engine: Engine, body: dict[str, Any], field: str) -> None:

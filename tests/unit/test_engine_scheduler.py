@@ -150,15 +150,61 @@ def test_abort_waiting_request_returns_no_tokens(sched: Scheduler) -> None:
     assert got["a"].finish_reason["type"] in ("stop", "length")
 
 
-def test_weight_swap_between_steps_tags_each_token_with_its_version(model: torch.nn.Module) -> None:
+def swap_setup(model: torch.nn.Module) -> tuple[ModelRunner, Scheduler, dict[str, torch.Tensor],
+                                                 dict[str, torch.Tensor]]:
+    """A scheduler on `model`, its weights now, and perturbed weights to swap in."""
     runner = ModelRunner(model)
-    sched = Scheduler(runner, weight_version="0")
     original = {k: v.clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(0)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    return runner, Scheduler(runner, weight_version="0"), original, perturbed
+
+
+def test_weight_swap_while_paused_applies_at_once(model: torch.nn.Module) -> None:
+    runner, sched, original, perturbed = swap_setup(model)
     got = Collector()
     try:
-        sched.submit(req("r", [4, 5, 6], 10, stops=frozenset()), got)
+        sched.submit(req("p", [4, 5, 6], 10, stops=frozenset()), got)
+        sched.step()
+        sched.pause("in_place")
+        fut = sched.swap_weights(perturbed, "1", "ckpt-1")
+        sched.step()
+        assert fut.result(timeout=0) == 0 and sched.weight_version == "1"  # SGLang: no wait while paused
+        sched.resume()
+        run_all(sched)
+    finally:
+        runner.load_state(original)
+    assert set(got["p"].output_versions) == {"0", "1"}
+
+
+def test_weight_swap_waits_for_pinned_requests_and_holds_new_ones(model: torch.nn.Module) -> None:
+    """SGLang's default: in-flight requests finish on the old weights; newcomers wait for the swap."""
+    runner, sched, original, perturbed = swap_setup(model)
+    got = Collector()
+    try:
+        sched.submit(req("old", [4, 5, 6], 10, stops=frozenset()), got)
+        for _ in range(3):
+            sched.step()
+        fut = sched.swap_weights(perturbed, "1", "ckpt-1")
+        sched.submit(req("new", [7, 8], 3, stops=frozenset()), got)
+        sched.step()
+        assert not fut.done() and sched.counts()["swaps_pending"] == 1 and "new" not in got
+        assert sched.counts()["waiting"] == 1  # not admitted while the swap waits
+        run_all(sched)
+        assert fut.result(timeout=0) == 0
+        assert got["old"].output_versions == ["0"] * 10 and got["old"].weight_version == "0"
+        assert got["new"].output_versions == ["1"] * 3 and sched.weight_version == "1"
+    finally:
+        runner.load_state(original)
+    assert got["old"].output_ids == reference(model, [4, 5, 6], 10)  # old weights only
+
+
+def test_opted_in_request_runs_across_a_swap_with_per_token_versions(model: torch.nn.Module) -> None:
+    runner, sched, original, perturbed = swap_setup(model)
+    got = Collector()
+    try:
+        sched.submit(GenRequest(rid="r", input_ids=[4, 5, 6], max_new_tokens=10, sampling=GREEDY,
+                                continue_across_weight_updates=True), got)
         for _ in range(3):
             sched.step()
         fut = sched.swap_weights(perturbed, "1", "ckpt-1")
