@@ -21,7 +21,8 @@ Invariants (asyncio, one event loop; no await between a check and the state chan
   response carries a version older than ``target``; such a response's tokens are discarded
   before anything reaches the caller and the chunk is sent again once an engine is caught up
   (``on_engine_behind`` asks the updater to load ``target`` into it). With every engine behind a
-  chunk waits up to ``engine_sync_wait_s``, then fails ``upstream_unavailable`` (503);
+  chunk waits up to ``engine_sync_wait_s``, then fails ``upstream_unavailable`` (503) -- also
+  when every engine refused the connection, so a short engine restart is ridden out;
 * ``current_version`` is learned from every response (an engine loaded behind our back is
   noticed on its next answer), not only on load/resume.
 """
@@ -358,4 +359,8 @@ class GenerationController:
                 active.done.set()
                 self.metrics.active.set(len(self._active))
         assert last is not None
+        if self.target is not None and not self._routable(session_id):
+            # Every engine refused and is held back now: the caller sends the chunk again, which waits
+            # (at most engine_sync_wait_s) for one to come back -- a short engine restart is ridden out.
+            return None
         raise UpstreamUnavailable("no engine reachable", engines=len(self.client.engines)) from None

@@ -160,3 +160,19 @@ def test_client_disconnect_is_one_counted_log_line_without_traceback(caplog: pyt
     assert len(lines) == 1 and lines[0].exc_info is None and "session_id=g1-0" in lines[0].getMessage()
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     assert metrics.client_disconnects._value.get() == 1
+
+
+def test_every_engine_refusing_waits_for_one_to_come_back_bounded() -> None:
+    import time
+
+    ctl, _ = setup({E1: None}, sync_wait_s=0.4)
+    ctl.set_target("4")  # following the published weights: a refused connection holds the engine back
+
+    async def flow() -> float:
+        start = time.monotonic()
+        with pytest.raises(UpstreamUnavailable, match="published version=4"):
+            await ctl.generate("s1", [], [1], 4, SAMPLING, partial=True)
+        return time.monotonic() - start
+
+    waited = run(flow)
+    assert 0.4 <= waited < 5 and ctl.behind == {E1}
