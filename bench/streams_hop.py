@@ -46,7 +46,7 @@ def realistic_group(group_id: str = "g0", n_samples: int = 8, n_tokens: int = 10
     prompt = PromptGroup(group_id=group_id, prompt_id="p0", task="reverse", prompt="reverse 123", reference="321",
                          n_samples=n_samples, enqueued_at=time.time())
     return RolloutGroup(group_id=group_id, prompt_id="p0", attempt=0, status="completed", samples=samples,
-                        meta={"prompt_group": prompt.model_dump(), "rollout_started_at": time.time(),
+                        prompt_group=prompt, meta={"rollout_started_at": time.time(),
                               "rollout_finished_at": time.time()})
 
 

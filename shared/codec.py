@@ -12,7 +12,8 @@ unchanged sample (the collector's pass-through hop) reuses them instead of packi
 
 Decoding is the edge: anything wrong — bad bytes, truncated msgpack, wrong ``schema`` or ``kind``,
 missing or mistyped fields, oversized containers — raises ``MalformedEntry`` with the reason and
-nothing else. Nothing is ever unpickled.
+nothing else. Nothing is ever unpickled. Entries of schema ``"1"`` are read as v2
+(``shared.schema_v1``); the one v1 shape v2 cannot take over raises ``UnsupportedSchema``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import Any, TypeVar, cast
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from shared import packed
+from shared import packed, schema_v1
 from shared.errors import MalformedEntry
 from shared.schemas import (
+    MAX_ERROR_CHARS,
     MAX_GROUPS_PER_BATCH,
     MAX_SAMPLES_PER_GROUP,
     MAX_TOKENS_PER_SAMPLE,
@@ -52,6 +54,8 @@ KINDS: dict[type[BaseModel], str] = {
     DeadLetter: "dead_letter",
 }
 _PACKED = packed.TYPECODES
+_UPGRADES_V1: dict[type[BaseModel], Any] = {PromptGroup: schema_v1.prompt_group,
+                                             RolloutGroup: schema_v1.rollout_group, Batch: schema_v1.batch}
 
 
 def _rle(versions: list[str]) -> list[list[Any]]:
@@ -182,7 +186,8 @@ def _plain(model: BaseModel) -> dict[str, str]:
                  "status": model.status, "end_versions": ",".join(model.end_versions),
                  "reward_mean": f"{model.reward_mean:.6g}"}
         if model.status == "failed":
-            plain["error"] = (model.error or "")[:1000]
+            plain["error"] = (model.error or "")[:MAX_ERROR_CHARS]
+            plain["error_code"] = model.error_code or ""
         return plain
     if isinstance(model, Batch):
         versions = sorted({v for g in model.groups for v in g.end_versions if v})
@@ -191,7 +196,7 @@ def _plain(model: BaseModel) -> dict[str, str]:
                 "trainer_version": model.trainer_version or ""}
     if isinstance(model, DeadLetter):
         return {"reason": model.reason, "source_stream": model.source_stream, "source_id": model.source_id,
-                "error": model.error[:1000]}
+                "error": model.error[:MAX_ERROR_CHARS]}
     raise TypeError(f"not a wire model: {type(model).__name__}")
 
 
@@ -219,8 +224,8 @@ def _text(fields: Mapping[Any, Any], name: str) -> str | None:
     return str(raw)
 
 
-def decode_body(raw: Any, kind: type[M]) -> M:
-    """Validate a msgpack ``body`` as ``kind``; raises MalformedEntry."""
+def decode_body(raw: Any, kind: type[M], schema: str = SCHEMA_VERSION) -> M:
+    """Validate a msgpack ``body`` of contract ``schema`` as ``kind``; raises MalformedEntry."""
     if isinstance(raw, str):
         raw = raw.encode("latin-1", errors="replace")
     if not isinstance(raw, (bytes, bytearray)):
@@ -235,6 +240,8 @@ def decode_body(raw: Any, kind: type[M]) -> M:
         raise MalformedEntry(f"body: not valid msgpack ({type(exc).__name__})") from exc
     if not isinstance(data, dict):
         raise MalformedEntry(f"body: expected a map, got {type(data).__name__}")
+    if schema == schema_v1.V1 and kind in _UPGRADES_V1:
+        data = _UPGRADES_V1[kind](data)
     try:
         # Samples were validated one by one above; the context stops their re-check inside the group.
         return kind.model_validate(_from_wire(data, kind), context={"arrays_deferred": True})
@@ -249,13 +256,13 @@ def decode_entry(fields: Mapping[Any, Any], kind: type[M]) -> M:
     if not isinstance(fields, Mapping):
         raise MalformedEntry("entry: fields are not a map")
     schema = _text(fields, "schema")
-    if schema != SCHEMA_VERSION:
-        raise MalformedEntry(f"field 'schema': expected {SCHEMA_VERSION!r}, got {schema!r}")
+    if schema not in (SCHEMA_VERSION, schema_v1.V1):
+        raise MalformedEntry(f"field 'schema': expected {SCHEMA_VERSION!r} (or {schema_v1.V1!r}), got {schema!r}")
     want = KINDS[kind]
     got = _text(fields, "kind")
     if got != want:
         raise MalformedEntry(f"field 'kind': expected {want!r}, got {got!r}")
-    model = decode_body(fields.get(b"body", fields.get("body")), kind)
+    model = decode_body(fields.get(b"body", fields.get("body")), kind, schema)
     group_id = _text(fields, "group_id")
     if group_id is not None and group_id != getattr(model, "group_id", group_id):
         raise MalformedEntry(f"field 'group_id': plain {group_id!r} does not match the body")

@@ -128,7 +128,7 @@ class PacingConfig(Section):
 class RolloutConfig(Section):
     """Rollout workers and the retry budget (DRESSAGE_ROLLOUT_MAX_RETRIES)."""
 
-    hold_on_proxy_outage: bool = True  # proxy refusing connections: keep the group pending, consume no attempt
+    upstream_backoff_max_s: float = Field(default=10.0, gt=0, le=600)  # cap of the wait while proxy/engine are down
     max_retries: int = Field(default=2, ge=0, le=100)  # at most 1 + max_retries attempts per group
     proxy_url: str = "http://127.0.0.1:8800"
     proxy_api_key: SecretStr | None = None

@@ -23,6 +23,11 @@ class MalformedEntry(DressageError):
         self.reason = reason
 
 
+class UnsupportedSchema(MalformedEntry):
+    """An entry of an older contract that this version cannot take over (dead-letter reason
+    ``unsupported_schema``, original bytes kept; docs/streams.md, schema v1)."""
+
+
 class VersionRegression(DressageError):
     """A weight version was published that is not newer than the latest one."""
 

@@ -18,11 +18,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from shared.codes import STALENESS_EXCEEDED
 from shared.errors import InvalidSample
 
 CONTEXT_VERSION = "-1"  # label of tokens no weight version produced (prompt, tool output, feedback)
 NON_REAL_LABELS = frozenset({"", "-1", "unknown", "none"})
-SPAN_EXCEEDED_ERROR = "partial_rollout_staleness_exceeded"
 SPAN_EXCEEDED_MESSAGE = (
     "Partial rollout model version span exceeded limit; rejecting the trajectory instead of continuing it."
 )
@@ -126,7 +126,7 @@ class SpanCheck:
     def detail(self, session_id: str) -> dict[str, Any]:
         """The HTTP 502 ``detail`` body for an exceeded span."""
         return {
-            "error": SPAN_EXCEEDED_ERROR,
+            "error": STALENESS_EXCEEDED,
             "message": SPAN_EXCEEDED_MESSAGE,
             "versions": list(self.versions),
             "version_span": self.version_span,

@@ -1,8 +1,10 @@
-"""Wire schemas of contract v1 (ARCHITECTURE §5–6): the only shapes that cross a stream.
+"""Wire schemas of contract v2 (ARCHITECTURE §5–6, docs/streams.md): the only shapes that cross a stream.
 
 Every model forbids unknown fields, so a producer that drifts from the contract is caught at
 the consumer's edge (``shared.codec.decode_entry``) and dead-lettered, never half-read.
 Versions are opaque strings; ``None`` means "no real version" (see ``shared.staleness.real_version``).
+v2 types what v1 carried in ``meta``: a rollout group's prompt, error code and ``retryable`` flag,
+and a prompt group's retry history. ``shared.schema_v1`` turns a v1 body into v2.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from shared import packed
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+MAX_ERROR_CHARS = 1000  # error text kept on the wire (failed groups, retry records, dead letters)
 
 # Bounds that keep a single entry from exhausting a consumer's memory.
 MAX_SAMPLES_PER_GROUP = 4096
@@ -33,6 +36,15 @@ class Message(_Wire):
     content: str  # message text
 
 
+class RetryRecord(_Wire):
+    """One earlier attempt of a prompt group and why it did not train (written by the collector)."""
+
+    attempt: int = Field(ge=0)  # the attempt that failed or was dropped
+    reason: Literal["stale", "failed"]  # dropped by the version window, or the attempt failed
+    error: str = Field(max_length=MAX_ERROR_CHARS)  # the failure's text (or the staleness note)
+    at: float = 0.0  # unix seconds of the decision
+
+
 class PromptGroup(_Wire):
     """A prompt to roll out ``n_samples`` times as one GRPO group (kind ``prompt_group``)."""
 
@@ -44,7 +56,8 @@ class PromptGroup(_Wire):
     n_samples: int = Field(ge=1, le=MAX_SAMPLES_PER_GROUP)  # trajectories per group
     attempt: int = Field(default=0, ge=0)  # 0 for the first try; +1 per re-enqueue
     enqueued_at: float = 0.0  # unix seconds when this attempt entered {p}:prompts
-    meta: dict[str, Any] = Field(default_factory=dict)  # free-form (epoch, dataset index, retry history)
+    retry_history: list[RetryRecord] = Field(default_factory=list)  # one record per earlier attempt, oldest first
+    meta: dict[str, Any] = Field(default_factory=dict)  # free-form (epoch, dataset index)
 
 
 class VersionSpan(_Wire):
@@ -149,9 +162,12 @@ class RolloutGroup(_Wire):
     prompt_id: str = Field(min_length=1, max_length=256)
     attempt: int = Field(ge=0)
     status: Literal["completed", "failed"]
-    error: str | None = None  # failure reason (failed only), e.g. "partial_rollout_staleness_exceeded: ..."
+    error: str | None = None  # failure text (failed only): "<error_code>: <message> (session <id>)"
+    error_code: str | None = None  # failed only: a code of shared.codes (the policy reads this, not the text)
+    retryable: bool = True  # failed only: False when no other attempt can succeed (dead-lettered at once)
+    prompt_group: PromptGroup | None = None  # this attempt's prompt, to re-enqueue; None inside a Batch
     samples: list[Sample] = Field(default_factory=list, max_length=MAX_SAMPLES_PER_GROUP)
-    meta: dict[str, Any] = Field(default_factory=dict)  # task, n_samples, timings, the original PromptGroup, ...
+    meta: dict[str, Any] = Field(default_factory=dict)  # task, n_samples, rollout_started_at/finished_at, worker, ...
 
     def last_segments(self) -> list[Sample]:
         """The highest-``segment_index`` sample of each trajectory (later sample wins ties)."""
@@ -186,7 +202,7 @@ class Batch(_Wire):
     """A trainer batch of complete GRPO groups (kind ``batch``)."""
 
     batch_id: str = Field(min_length=1, max_length=256)
-    groups: list[RolloutGroup] = Field(max_length=MAX_GROUPS_PER_BATCH)
+    groups: list[RolloutGroup] = Field(max_length=MAX_GROUPS_PER_BATCH)  # without their prompt_group
     trainer_version: str | None = None  # latest published version when the batch was assembled
     window: Window
     meta: dict[str, Any] = Field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Factories for rollout-side wire objects in tests: small, explicit, one trajectory per version.
 
 ``rollout_group("g1", ["3", "4"])`` is a completed GRPO group of two trajectories ending on
-versions 3 and 4, carrying its PromptGroup in ``meta["prompt_group"]`` as the rollout worker does.
+versions 3 and 4, carrying its PromptGroup in ``prompt_group`` as the rollout worker does. A failed
+group's ``error_code`` is the text of ``error`` before its first ``:`` unless given.
 """
 
 from __future__ import annotations
@@ -30,19 +31,19 @@ def prompt_group(group_id: str, attempt: int = 0, n_samples: int = 2, enqueued_a
 
 
 def rollout_group(group_id: str, versions: list[str | None], attempt: int = 0,
-                  status: str = "completed", error: str | None = None, handled: str | None = None,
-                  with_prompt: bool = True, started: float | None = 101.0,
+                  status: str = "completed", error: str | None = None, error_code: str | None = None,
+                  retryable: bool = True, with_prompt: bool = True, started: float | None = 101.0,
                   finished: float | None = 103.0) -> RolloutGroup:
     """A group with one trajectory per entry of ``versions`` (its end version)."""
     meta: dict[str, Any] = {}
-    if with_prompt:
-        meta["prompt_group"] = prompt_group(group_id, attempt, n_samples=max(1, len(versions))).model_dump()
-    if handled is not None:
-        meta["handled"] = handled
+    prompt = prompt_group(group_id, attempt, n_samples=max(1, len(versions))) if with_prompt else None
+    if status == "failed" and error_code is None and error:
+        error_code = error.split(":", 1)[0]
     if started is not None:
         meta["rollout_started_at"] = started
     if finished is not None:
         meta["rollout_finished_at"] = finished
     samples = [sample(f"{group_id}-a{attempt}-t{i}", v) for i, v in enumerate(versions)]
     return RolloutGroup(group_id=group_id, prompt_id=f"p-{group_id}", attempt=attempt, status=status,  # type: ignore[arg-type]
-                        error=error, samples=samples, meta=meta)
+                        error=error, error_code=error_code, retryable=retryable, prompt_group=prompt,
+                        samples=samples, meta=meta)

@@ -26,7 +26,8 @@ from services.group_collector.core import CollectorCore
 from services.group_collector.ledger import Ledger
 from services.group_collector.outcomes import Action, Arrival, BatchOut
 from shared.codec import decode_entry
-from shared.errors import ConfigError
+from shared.codes import MALFORMED, UNSUPPORTED_SCHEMA
+from shared.errors import ConfigError, UnsupportedSchema
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import RolloutGroup
@@ -127,8 +128,10 @@ class GroupCollector:
         for entry in {e.id: e for e in entries}.values():  # reclaimed and re-read in one step: once
             try:
                 arrivals.append(Arrival(entry.id, decode_entry(entry.fields, RolloutGroup), entry.fields))
+            except UnsupportedSchema as exc:  # a v1 group its v1 worker already handled (docs/streams.md)
+                self.ledger.poison(entry.id, entry.fields, UNSUPPORTED_SCHEMA, exc.reason)
             except Exception as exc:  # the poison guard: whatever fails to decode is dead-lettered
-                self.ledger.poison(entry.id, entry.fields, f"{type(exc).__name__}: {exc}")
+                self.ledger.poison(entry.id, entry.fields, MALFORMED, f"{type(exc).__name__}: {exc}")
         done, closed = self.ledger.lookup(arrivals)
         return self.core.on_arrivals(arrivals, done, closed)
 

@@ -4,9 +4,9 @@ Loop order, an invariant carried over from the seed and tested:
 1. every newly arrived, non-duplicate group is *observed* first (failed ones included);
 2. if that advanced the window, the groups already waiting are re-checked and those now outside
    are dropped (whole GRPO groups);
-3. each new group is then handled in arrival order: a failed group is retried or dead-lettered
-   (or just observed when a worker already handled it); a completed one is checked against the
-   window and either dropped or appended to the waiting list.
+3. each new group is then handled in arrival order: a failed group goes through the retry policy
+   (``outcomes.retry_or_dead_letter``); a completed one is checked against the window and either
+   dropped or appended to the waiting list.
 A new published version or a new ``keep_versions`` re-checks the waiting list at once, and so
 does every batch assembly, so a batch is always cut from the freshest window.
 
@@ -27,8 +27,6 @@ from services.group_collector.outcomes import (
     Arrival,
     BatchOut,
     Discard,
-    Observed,
-    rejection_stats,
     retry_or_dead_letter,
 )
 from services.group_collector.timing import timing_metrics
@@ -116,14 +114,7 @@ class CollectorCore:
         group = arrival.group
         now = self.clock()
         if group.status == "failed":
-            handled = group.meta.get("handled")
-            if handled in ("reenqueued", "dead_lettered"):
-                return [self._decide(Observed({"failed_observed": 1, **rejection_stats(group)}, arrival,
-                                              str(handled)))]
-            action = retry_or_dead_letter(arrival, "failed", self.max_retries, now)
-            for name, n in rejection_stats(group).items():
-                action.stats[name] = action.stats.get(name, 0) + n
-            return [self._decide(action)]
+            return [self._decide(retry_or_dead_letter(arrival, "failed", self.max_retries, now))]
         if not self.window.keep_group(group.group_id, group):
             return [self._decide(retry_or_dead_letter(arrival, "stale", self.max_retries, now))]
         self.waiting.append(arrival)
@@ -150,10 +141,11 @@ class CollectorCore:
         now = self.clock()
         groups = [a.group for a in members]
         t = self.tracker
+        metrics = {**self.window.metrics_for_groups(groups), **timing_metrics(groups, now)}
+        trained = [g.model_copy(update={"prompt_group": None}) for g in groups]  # the trainer never reads it
         window = Window(keep_versions=t.config.keep_versions or 0, current_version=t.current_version_label,
                         cutoff_version=t.cutoff_version_label)
-        metrics = {**self.window.metrics_for_groups(groups), **timing_metrics(groups, now)}
-        batch = Batch(batch_id=self.new_batch_id(), groups=groups, trainer_version=trainer_version,
+        batch = Batch(batch_id=self.new_batch_id(), groups=trained, trainer_version=trainer_version,
                       window=window, meta={"assembled_at": now,
                                            "entry_ids": [a.entry_id.decode() for a in members]})
         return BatchOut({"groups_batched": len(members), "batches_produced": 1}, batch, members, metrics)

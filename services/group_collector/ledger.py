@@ -24,15 +24,13 @@ from services.group_collector.outcomes import (
     BatchOut,
     DeadLetterOut,
     Discard,
-    Observed,
     Reenqueue,
 )
+from shared import stats
 from shared.codec import encode_entry
 from shared.keys import GROUP_COLLECTOR, Keys
-from shared.streams import dead_letter_fields
 
 log = logging.getLogger(__name__)
-DEAD_MAXLEN = 100_000
 
 
 class Ledger:
@@ -40,7 +38,7 @@ class Ledger:
         self.r, self.keys = r, keys
         self.done_key = keys.custom("collector", "done")
         self.closed_key = keys.custom("collector", "closed")
-        self.stats_key = keys.custom("stats")
+        self.stats_key = stats.key(keys)
 
     def lookup(self, arrivals: Sequence[Arrival]) -> tuple[list[bool], list[bool]]:
         """For each arrival: is its ``group_id:attempt`` done, is its group closed?"""
@@ -64,9 +62,9 @@ class Ledger:
         elif isinstance(action, Reenqueue):
             pipe.xadd(self.keys.prompts, encode_entry(action.prompt))  # type: ignore[arg-type]
         elif isinstance(action, DeadLetterOut):
-            a = action.arrival
-            fields = dead_letter_fields(action.reason, action.error, self.keys.rollouts, a.entry_id, a.fields)
-            pipe.xadd(self.keys.dead, fields, maxlen=DEAD_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            a = action.arrival  # its counters are the action's stats (below)
+            stats.add_dead_letter(pipe, self.keys, action.reason, action.error, self.keys.rollouts, a.entry_id,
+                                  a.fields, None)
 
     def _bookkeeping(self, pipe: redis.client.Pipeline, action: Action) -> None:
         pipe.xack(self.keys.rollouts, GROUP_COLLECTOR, *[a.entry_id for a in action.arrivals])
@@ -98,15 +96,14 @@ class Ledger:
         _log(action)
         return set()
 
-    def poison(self, entry_id: bytes, fields: Mapping[bytes, bytes], error: str) -> None:
-        """Dead-letter an undecodable rollout entry (reason ``malformed``) with its ack and counter."""
+    def poison(self, entry_id: bytes, fields: Mapping[bytes, bytes], reason: str, error: str) -> None:
+        """Dead-letter an undecodable rollout entry (``malformed`` / ``unsupported_schema``) with its ack and counter."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, dead_letter_fields("malformed", error, self.keys.rollouts, entry_id, fields),  # type: ignore[arg-type]
-                  maxlen=DEAD_MAXLEN, approximate=True)
+        stats.add_dead_letter(pipe, self.keys, reason, error, self.keys.rollouts, entry_id, fields,
+                              stats.POISON_DEAD_LETTERED)
         pipe.xack(self.keys.rollouts, GROUP_COLLECTOR, entry_id)
-        pipe.hincrby(self.stats_key, "poison_dead_lettered", 1)
         pipe.execute()
-        log.warning("dead-lettered poison entry_id=%s reason=malformed error=%s", entry_id.decode(), error[:300])
+        log.warning("dead-lettered poison entry_id=%s reason=%s error=%s", entry_id.decode(), reason, error[:300])
 
 
 def _log(action: Action) -> None:
@@ -122,7 +119,5 @@ def _log(action: Action) -> None:
         log.info("re-enqueued (%s) %s as attempt=%d", action.why, ids, action.prompt.attempt)
     elif isinstance(action, DeadLetterOut):
         log.warning("dead-lettered %s reason=%s error=%s", ids, action.reason, action.error[:300])
-    elif isinstance(action, Observed):
-        log.info("observed failed group already %s by its worker %s", action.handled, ids)
     else:
         log.info("discarded duplicate (%s) %s", action.why, ids)

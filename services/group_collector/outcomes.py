@@ -1,14 +1,18 @@
-"""What the collector decides for a rollout entry: the action types and the retry policy (pure).
+"""What the collector decides for a rollout entry: the action types and THE retry policy (pure).
+
+``retry_or_dead_letter`` is the pipeline's only retry policy: workers hand every attempt over
+(completed or failed, with ``error_code`` and ``retryable``), and only the collector re-enqueues
+or dead-letters. Infrastructure failures never get here (the worker keeps them pending), so every
+failure this policy sees spends one of the group's attempts.
 
 Every non-poison rollout entry leaves the collector through exactly one action:
 
 * ``BatchOut``      — in one trainer batch (with the other members of the batch);
-* ``Reenqueue``     — dropped (stale window, or failed without ``meta.handled``) and sent back to
+* ``Reenqueue``     — dropped (stale window, or failed and retryable) and sent back to
                       ``{p}:prompts`` as attempt + 1 of the same ``group_id``;
 * ``DeadLetterOut`` — dropped with no retries left (``stale_retries_exhausted`` /
-                      ``retries_exhausted``), or not retriable (``missing_prompt_group``);
-* ``Observed``      — a failed group a worker already re-enqueued or dead-lettered (``meta.handled``):
-                      seen for the window and metrics, then acknowledged;
+                      ``retries_exhausted``), or not retriable (``invalid_prompt_group``,
+                      ``missing_prompt_group``);
 * ``Discard``       — a copy of a ``group_id:attempt`` that already has an outcome (late duplicate).
 
 Each action carries the ``{p}:stats`` increments, the ``group_id:attempt`` keys it marks done and
@@ -20,13 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import ValidationError
+from shared import codes, stats
+from shared.schemas import MAX_ERROR_CHARS, Batch, PromptGroup, RetryRecord, RolloutGroup
 
-from shared.schemas import Batch, PromptGroup, RolloutGroup
-
-STALE_ERROR = "partial_rollout_staleness_exceeded"  # the proxy's span-limit error code
+STALE_NOTE = "stale: outside the version window"  # the error text of a window drop
 
 
 @dataclass(frozen=True)
@@ -105,15 +108,6 @@ class DeadLetterOut(_Single):
 
 
 @dataclass
-class Observed(_Single):
-    handled: str  # "reenqueued" | "dead_lettered" (what the worker did)
-
-    @property
-    def closed_ids(self) -> list[str]:
-        return [self.arrival.group.group_id] if self.handled == "dead_lettered" else []
-
-
-@dataclass
 class Discard(_Single):
     why: str  # "done" | "closed" | "waiting"
 
@@ -122,53 +116,46 @@ class Discard(_Single):
         return []  # marks nothing: the original outcome already did
 
 
-Action = BatchOut | Reenqueue | DeadLetterOut | Observed | Discard
-
-
-def original_prompt(group: RolloutGroup) -> PromptGroup | None:
-    """The PromptGroup the worker carried in ``meta["prompt_group"]``, or None if absent/invalid."""
-    raw = group.meta.get("prompt_group")
-    if isinstance(raw, PromptGroup):
-        return raw
-    if not isinstance(raw, dict):
-        return None
-    try:
-        return PromptGroup.model_validate(raw)
-    except ValidationError:
-        return None
-
-
-def has_staleness_failure(group: RolloutGroup) -> bool:
-    """True iff this failed event was a partial-rollout span rejection (this event's error only)."""
-    return group.status == "failed" and STALE_ERROR in (group.error or "")
+Action = BatchOut | Reenqueue | DeadLetterOut | Discard
 
 
 def rejection_stats(group: RolloutGroup) -> dict[str, int]:
-    """``partial_rollout_rejected_*`` increments for one failed event (counted once, no sticky markers)."""
-    if not has_staleness_failure(group):
+    """``partial_rollout_rejected_*`` increments for one failed event: its own ``error_code`` only,
+    so one rejection is counted once and no later failure of the group inherits it."""
+    if group.status != "failed" or group.error_code != codes.STALENESS_EXCEEDED:
         return {}
-    prompt = original_prompt(group)
-    n = prompt.n_samples if prompt else len({s.traj_id for s in group.samples})
-    return {"partial_rollout_rejected_groups": 1, "partial_rollout_rejected_samples": n}
+    n = group.prompt_group.n_samples if group.prompt_group else len({s.traj_id for s in group.samples})
+    return {stats.REJECTED_GROUPS: 1, stats.REJECTED_SAMPLES: n}
+
+
+def _dead(arrival: Arrival, reason: str, error: str, extra: dict[str, int]) -> DeadLetterOut:
+    counters = {stats.GROUPS_DEAD_LETTERED: 1, stats.dead_lettered_by(reason): 1, **extra}
+    return DeadLetterOut(counters, arrival, reason, error[:MAX_ERROR_CHARS])
 
 
 def retry_or_dead_letter(arrival: Arrival, why: Literal["stale", "failed"], max_retries: int,
                          now: float) -> Reenqueue | DeadLetterOut:
-    """Re-enqueue attempt + 1 while ``attempt < max_retries``, else dead-letter with the reason."""
+    """Re-enqueue attempt + 1 while ``attempt < max_retries`` and a retry can help, else dead-letter.
+
+    ``why``: ``stale`` (dropped by the window) or ``failed`` (the attempt failed; ``retryable``
+    False dead-letters at once as ``invalid_prompt_group``). The re-enqueued prompt gets a fresh
+    ``enqueued_at`` and one ``RetryRecord`` more.
+    """
     group = arrival.group
-    extra: dict[str, int] = {"groups_dropped_stale": 1} if why == "stale" else {}
-    prompt = original_prompt(group)
+    extra: dict[str, int] = {stats.GROUPS_DROPPED_STALE: 1} if why == "stale" else {}
+    if why == "failed":
+        extra.update(rejection_stats(group))
+    prompt = group.prompt_group
     if prompt is None:
-        return DeadLetterOut({"groups_dead_lettered": 1, "dead_lettered:missing_prompt_group": 1, **extra},
-                             arrival, "missing_prompt_group",
-                             "RolloutGroup.meta.prompt_group is missing or invalid; cannot re-enqueue")
-    error = "stale: outside the version window" if why == "stale" else (group.error or "failed")
+        return _dead(arrival, codes.MISSING_PROMPT_GROUP,
+                     "RolloutGroup.prompt_group is missing; cannot re-enqueue", extra)
+    error = STALE_NOTE if why == "stale" else (group.error or group.error_code or "failed")
+    if why == "failed" and not group.retryable:
+        return _dead(arrival, codes.INVALID_PROMPT_GROUP, error, extra)
     if group.attempt < max_retries:
-        history: list[Any] = list(prompt.meta.get("retry_history") or [])
-        history.append({"attempt": group.attempt, "reason": why, "error": error[:500], "at": now})
+        record = RetryRecord(attempt=group.attempt, reason=why, error=error[:MAX_ERROR_CHARS], at=now)
         retry = prompt.model_copy(update={"attempt": group.attempt + 1, "enqueued_at": now,
-                                          "meta": {**prompt.meta, "retry_history": history}})
-        return Reenqueue({"groups_reenqueued": 1, f"reenqueued:{why}": 1, **extra}, arrival, retry, why)
-    reason = "stale_retries_exhausted" if why == "stale" else "retries_exhausted"
-    return DeadLetterOut({"groups_dead_lettered": 1, f"dead_lettered:{reason}": 1, **extra}, arrival, reason,
-                         f"attempt {group.attempt} of max_retries {max_retries}: {error}")
+                                          "retry_history": [*prompt.retry_history, record]})
+        return Reenqueue({stats.GROUPS_REENQUEUED: 1, stats.reenqueued_by(why): 1, **extra}, arrival, retry, why)
+    reason = codes.STALE_RETRIES_EXHAUSTED if why == "stale" else codes.RETRIES_EXHAUSTED
+    return _dead(arrival, reason, f"attempt {group.attempt} of max_retries {max_retries}: {error}", extra)

@@ -1,7 +1,7 @@
 """Where a batch's staleness comes from, in seconds (pure): time in flight vs time waiting.
 
 For each group of a batch, from the timestamps the pipeline leaves in it:
-``enqueued_at`` (the PromptGroup in ``meta["prompt_group"]``), ``meta["rollout_started_at"]`` and
+``enqueued_at`` (of the group's ``prompt_group``), ``meta["rollout_started_at"]`` and
 ``meta["rollout_finished_at"]`` (set by the rollout worker), and the batch's assembly time:
 
 * ``staleness/time_in_flight_s``  = rollout finished − enqueued (prompt queue + rollout);
@@ -34,8 +34,7 @@ def _summary(name: str, values: list[float]) -> dict[str, float]:
 def timing_metrics(groups: Iterable[RolloutGroup], batched_at: float) -> dict[str, float]:
     spans: dict[str, list[float]] = {"in_flight": [], "prompt_queue": [], "rollout": [], "waiting": []}
     for g in groups:
-        prompt = g.meta.get("prompt_group")
-        enqueued = _number(prompt.get("enqueued_at")) if isinstance(prompt, dict) else None
+        enqueued = g.prompt_group.enqueued_at if g.prompt_group is not None else None
         started = _number(g.meta.get("rollout_started_at"))
         finished = _number(g.meta.get("rollout_finished_at"))
         if enqueued is not None and finished is not None:

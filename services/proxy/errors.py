@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared import codes
 from shared.errors import DressageError
 
 
@@ -58,7 +59,7 @@ class OverCapacity(ProxyError):
     """Too many generations in flight or too many sessions; retry after ``Retry-After`` (503)."""
 
     status = 503
-    code = "over_capacity"
+    code = codes.OVER_CAPACITY
 
     def __init__(self, message: str, retry_after_s: int = 1, **extra: Any) -> None:
         super().__init__(message, **extra)
@@ -69,28 +70,28 @@ class UpstreamUnavailable(ProxyError):
     """No engine could be reached (connection refused / connect timeout / read timeout) (503)."""
 
     status = 503
-    code = "upstream_unavailable"
+    code = codes.UPSTREAM_UNAVAILABLE
 
 
 class UpstreamError(ProxyError):
     """An engine answered with an error or an unparseable body (502)."""
 
     status = 502
-    code = "upstream_error"
+    code = codes.UPSTREAM_ERROR
 
 
 class GenerationPreempted(ProxyError):
     """Non-partial mode: the generation was interrupted by a pause / weight update (502)."""
 
     status = 502
-    code = "generation_preempted"
+    code = codes.GENERATION_PREEMPTED
 
 
 class TrajectoryVersionChanged(ProxyError):
     """Non-partial mode: this turn would run on a version the trajectory has not used (502)."""
 
     status = 502
-    code = "trajectory_version_changed"
+    code = codes.TRAJECTORY_VERSION_CHANGED
 
 
 class SpanExceeded(ProxyError):
@@ -100,7 +101,7 @@ class SpanExceeded(ProxyError):
     """
 
     status = 502
-    code = "partial_rollout_staleness_exceeded"
+    code = codes.STALENESS_EXCEEDED
 
     def __init__(self, body: dict[str, Any]) -> None:
         super().__init__(str(body.get("message", "")))

@@ -27,13 +27,14 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-from services.rollout_worker.errors import PROXY_502_CODES, TrajectoryFailed
+from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.proxy_client import ProxyClient
+from shared.codes import PROXY_502_CODES, UPSTREAM_UNAVAILABLE
 from shared.errors import ConfigError
 from shared.tasks import Episode
 
 MAX_AGENT_OUTPUT = 1 << 20  # bytes of stdout read as the reply
-_RELAYED_CODES = tuple(sorted(PROXY_502_CODES)) + ("upstream_unavailable",)
+_RELAYED_CODES = (*sorted(PROXY_502_CODES), UPSTREAM_UNAVAILABLE)
 _SECRET_PREFIXES = ("DRESSAGE_", "REDIS_")
 
 

@@ -1,9 +1,11 @@
-"""Group assembly: proxy-recorded segments + verifier rewards -> one ``completed`` RolloutGroup.
+"""Group assembly: proxy-recorded segments + verifier rewards -> one ``completed`` RolloutGroup,
+or a failure -> one ``failed`` RolloutGroup for the collector's retry policy.
 
 Pure functions, no I/O. Invariants:
 * every trajectory contributes its segments sorted by ``segment_index`` (duplicates refused);
 * the trajectory reward sits on its LAST segment, every earlier segment carries 0.0;
-* ``meta.prompt_group`` holds the PromptGroup as sent, so the collector can re-enqueue it.
+* ``prompt_group`` holds the PromptGroup as sent, so the collector can re-enqueue it;
+* a failed group carries the failure's ``error_code`` and ``retryable`` flag and no samples.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.rollout_worker.errors import TrajectoryFailed
-from shared.schemas import PromptGroup, RolloutGroup, Sample
+from shared.schemas import MAX_ERROR_CHARS, PromptGroup, RolloutGroup, Sample
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:@+=-]")
 MAX_GROUP_PART = 200  # keeps the whole id within the proxy's 256 characters
@@ -81,9 +83,20 @@ def completed_group(group: PromptGroup, results: Sequence[TrajectoryResult], con
     samples = [s for r in results for s in r.samples]
     return RolloutGroup(
         group_id=group.group_id, prompt_id=group.prompt_id, attempt=group.attempt, status="completed",
-        error=None, samples=samples,
-        meta={"prompt_group": group.model_dump(mode="json"), "task": group.task, "n_samples": group.n_samples,
-              "rollout_started_at": started_at, "rollout_finished_at": finished_at, "worker": consumer,
+        error=None, samples=samples, prompt_group=group,
+        meta={"task": group.task, "n_samples": group.n_samples, "rollout_started_at": started_at,
+              "rollout_finished_at": finished_at, "worker": consumer,
               "agent": agent, "sessions": [r.session_id for r in results],
               "rewards": [r.reward for r in results], "correct": [r.correct for r in results],
               "turns": [r.turns for r in results]})
+
+
+def failed_group(group: PromptGroup, failure: TrajectoryFailed, consumer: str,
+                 started_at: float, finished_at: float) -> RolloutGroup:
+    """The ``failed`` RolloutGroup of one attempt: the collector decides whether it is retried."""
+    return RolloutGroup(
+        group_id=group.group_id, prompt_id=group.prompt_id, attempt=group.attempt, status="failed",
+        error=failure.text[:MAX_ERROR_CHARS], error_code=failure.code, retryable=failure.retryable,
+        prompt_group=group, samples=[],
+        meta={"task": group.task, "n_samples": group.n_samples, "rollout_started_at": started_at,
+              "rollout_finished_at": finished_at, "worker": consumer})

@@ -1,17 +1,15 @@
 """Named failures of one trajectory; any of them fails the whole prompt group.
 
-``code`` is a short machine-readable token (the proxy's own ``error`` for its 502s, e.g.
-``partial_rollout_staleness_exceeded``); ``retryable`` is False only for failures that another
-attempt cannot fix (unknown task, a reference the task refuses), which are dead-lettered at once.
+``code`` is a short machine-readable token from ``shared.codes`` (the proxy's own ``error`` for its
+502s and 503s, or the worker's own); ``retryable`` is False only for failures that another attempt
+cannot fix (unknown task, a reference the task refuses), which the collector dead-letters at once;
+``infrastructure`` (the upstream was unavailable) failures never reach the retry budget at all.
 """
 
 from __future__ import annotations
 
+from shared.codes import is_infrastructure
 from shared.errors import DressageError
-
-# The proxy's 502 ``detail.error`` values (ARCHITECTURE, proxy contract).
-STALENESS_EXCEEDED = "partial_rollout_staleness_exceeded"
-PROXY_502_CODES = frozenset({STALENESS_EXCEEDED, "trajectory_version_changed", "generation_preempted"})
 
 
 class TrajectoryFailed(DressageError):
@@ -24,6 +22,11 @@ class TrajectoryFailed(DressageError):
         self.retryable = retryable
         self.session_id = session_id
         super().__init__(self.text)
+
+    @property
+    def infrastructure(self) -> bool:
+        """The proxy or an engine was unavailable: not the trajectory's fault, no attempt is spent."""
+        return is_infrastructure(self.code)
 
     @property
     def text(self) -> str:

@@ -29,7 +29,6 @@ import httpx
 
 from services.rollout_worker.proxy_client import (
     MAX_BACKPRESSURE_RETRIES,
-    OVER_CAPACITY,
     ChatMessages,
     SessionCalls,
     chat_reply,
@@ -37,6 +36,7 @@ from services.rollout_worker.proxy_client import (
     retry_after,
     session_path,
 )
+from shared.codes import OVER_CAPACITY
 from shared.sample_versions import version_spans
 
 ReplyFn = Callable[[str, ChatMessages], str]  # (session_id, messages) -> assistant text

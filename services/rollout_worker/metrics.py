@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.codes import STALENESS_EXCEEDED
+
 PORT_OFFSET = 2  # rollout-worker's offset from ops.metrics_port_base (team contract)
 
 GROUPS = Counter("dressage_rollout_groups_total", "Prompt-group attempts finished, by outcome",
-                 ["outcome"])  # completed | reenqueued | dead_lettered | skipped_already_acked
+                 ["outcome"])  # completed | failed | held_upstream_down | skipped_already_acked
 POISON = Counter("dressage_rollout_poison_total", "Malformed prompt entries dead-lettered")
 TRAJECTORIES = Counter("dressage_rollout_trajectories_total", "Trajectories of completed groups")
 REJECTED_GROUPS = Counter("dressage_rollout_staleness_rejected_groups_total",
-                          "Group failures caused by partial_rollout_staleness_exceeded (once per event)")
+                          f"Group failures caused by {STALENESS_EXCEEDED} (once per event)")
 REJECTED_SAMPLES = Counter("dressage_rollout_staleness_rejected_samples_total",
-                           "Trajectories of groups failed by partial_rollout_staleness_exceeded")
+                           f"Trajectories of groups failed by {STALENESS_EXCEEDED}")
 GROUP_SECONDS = Histogram("dressage_rollout_group_seconds", "Wall time of one group attempt",
                           buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
 IN_FLIGHT = Gauge("dressage_rollout_in_flight_groups", "Groups this worker is rolling out now")

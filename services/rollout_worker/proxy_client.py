@@ -6,9 +6,11 @@ it to new turns and returns ``{"session_id", "samples": [Sample dicts], ...}``; 
 agents reach the same session through the session-scoped base URL ``{proxy}/s/{id}/v1``.
 
 Every failure surfaces as ``TrajectoryFailed`` with a code: the proxy's own 502 ``detail.error``
-(``partial_rollout_staleness_exceeded``, ``trajectory_version_changed``, ``generation_preempted``),
+(``shared.codes.PROXY_502_CODES``: the span limit, a changed trajectory version, a preempted generation),
 ``upstream_unavailable`` (503), ``unknown_session`` (404), ``proxy_http_<status>``,
-``proxy_timeout`` or ``proxy_unreachable``. ``services.rollout_worker.fake_proxy`` implements the
+``proxy_timeout`` or ``proxy_unreachable`` (codes in ``shared.codes``). A 502 ``upstream_error`` whose
+engine answered 502/503/504 (an engine still loading after a restart) is ``upstream_unavailable`` too:
+infrastructure, never the trajectory's fault. ``services.rollout_worker.fake_proxy`` implements the
 same interface in process for unit tests; both run through the same contract tests.
 A 503 ``over_capacity`` is backpressure, not a failure: the request is repeated after its
 ``Retry-After`` (the trajectory timeout bounds the wait).
@@ -24,9 +26,17 @@ from urllib.parse import quote
 import httpx
 
 from services.rollout_worker.errors import TrajectoryFailed
+from shared.codes import (
+    OVER_CAPACITY,
+    PROXY_TIMEOUT,
+    PROXY_UNREACHABLE,
+    UNKNOWN_SESSION,
+    UPSTREAM_ERROR,
+    UPSTREAM_UNAVAILABLE,
+)
 
 ChatMessages = list[dict[str, str]]
-OVER_CAPACITY = "over_capacity"  # 503 backpressure: waited out (Retry-After), not a trajectory failure
+ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})  # an engine answering these is restarting or overloaded
 MAX_BACKPRESSURE_RETRIES = 1000  # the trajectory timeout bounds the wait long before this
 
 
@@ -73,7 +83,7 @@ class SessionCalls:
         try:
             await self._send("DELETE", session_path(session_id), session_id)
         except TrajectoryFailed as exc:
-            if exc.code != "unknown_session":
+            if exc.code != UNKNOWN_SESSION:
                 raise
 
     def agent_base_url(self, session_id: str) -> str:
@@ -93,13 +103,15 @@ def proxy_error(status: int, body: Any, session_id: str | None = None) -> Trajec
     detail = _detail(body)
     message = str(detail.get("message") or detail.get("detail") or (body if isinstance(body, str) else ""))[:500]
     code = detail.get("error") if isinstance(detail.get("error"), str) else None
+    if status == 502 and code == UPSTREAM_ERROR and detail.get("engine_status") in ENGINE_DOWN_STATUSES:
+        return TrajectoryFailed(UPSTREAM_UNAVAILABLE, message, session_id=session_id)
     if status == 502 and code:
         return TrajectoryFailed(code, message, session_id=session_id)
     if status == 503:
-        return TrajectoryFailed(OVER_CAPACITY if code == OVER_CAPACITY else "upstream_unavailable", message,
+        return TrajectoryFailed(OVER_CAPACITY if code == OVER_CAPACITY else UPSTREAM_UNAVAILABLE, message,
                                 session_id=session_id)
     if status == 404:
-        return TrajectoryFailed("unknown_session", message, session_id=session_id)
+        return TrajectoryFailed(UNKNOWN_SESSION, message, session_id=session_id)
     return TrajectoryFailed(f"proxy_http_{status}", message or (code or ""), session_id=session_id)
 
 
@@ -138,10 +150,10 @@ class HttpProxyClient(SessionCalls):
             try:
                 resp = await self._http.request(method, path, **kwargs)
             except httpx.TimeoutException as exc:
-                raise TrajectoryFailed("proxy_timeout", f"{method} {path}: {type(exc).__name__}",
+                raise TrajectoryFailed(PROXY_TIMEOUT, f"{method} {path}: {type(exc).__name__}",
                                        session_id=session_id) from exc
             except httpx.TransportError as exc:
-                raise TrajectoryFailed("proxy_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}",
+                raise TrajectoryFailed(PROXY_UNREACHABLE, f"{method} {path}: {type(exc).__name__}: {exc}",
                                        session_id=session_id) from exc
             if resp.status_code < 400:
                 return resp

@@ -21,6 +21,7 @@ from services.rollout_worker.agents import run_blackbox, run_whitebox
 from services.rollout_worker.assembly import TrajectoryResult, completed_group, finalize_samples, session_id
 from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.proxy_client import ProxyClient
+from shared.codes import INVALID_PROMPT_GROUP, TRAJECTORY_TIMEOUT
 from shared.config import RolloutConfig
 from shared.errors import UnknownTask
 from shared.schemas import PromptGroup, RolloutGroup
@@ -57,14 +58,14 @@ class GroupRunner:
             task = get_task(group.task)
             task.validate_reference(group.reference)
         except (UnknownTask, InvalidReference) as exc:
-            raise TrajectoryFailed("invalid_prompt_group", str(exc), retryable=False) from exc
+            raise TrajectoryFailed(INVALID_PROMPT_GROUP, str(exc), retryable=False) from exc
         return task
 
     async def _trajectory(self, group: PromptGroup, task: Task, sid: str) -> TrajectoryResult:
         try:
             episode = task.start(group.prompt, group.reference)
         except InvalidReference as exc:
-            raise TrajectoryFailed("invalid_prompt_group", str(exc), retryable=False, session_id=sid) from exc
+            raise TrajectoryFailed(INVALID_PROMPT_GROUP, str(exc), retryable=False, session_id=sid) from exc
         max_new = self.cfg.max_new_tokens or task.max_new_tokens
         command = self.agent_for(group.task)
         try:
@@ -75,7 +76,7 @@ class GroupRunner:
                     await run_blackbox(command, self.proxy, sid, group.task, episode, max_new, self.cfg.temperature)
                 record = await self.proxy.finalize(sid)
         except TimeoutError as exc:
-            raise TrajectoryFailed("trajectory_timeout", f"not done after {self.cfg.trajectory_timeout_s}s",
+            raise TrajectoryFailed(TRAJECTORY_TIMEOUT, f"not done after {self.cfg.trajectory_timeout_s}s",
                                    session_id=sid) from exc
         except TrajectoryFailed as exc:
             raise exc.at(sid) from None

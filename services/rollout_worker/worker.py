@@ -1,9 +1,11 @@
 """The rollout worker loop: ``{p}:prompts`` (group ``rollout``) -> group runner -> ``{p}:rollouts``.
 
 Every entry this worker reads leaves it exactly one way, in one MULTI/EXEC with its XACK
-(``commit``): handed off completed, failed into the retry path (re-enqueued or dead-lettered),
-dead-lettered as poison — or it stays pending (crash, Redis down, stop past the grace period) for
-this consumer's next read of its own pending list or for another worker's reclaim.
+(``commit``): handed off to the collector as a rollout group — completed, or failed with its typed
+``error_code`` and ``retryable`` flag (the collector's ``outcomes.retry_or_dead_letter`` is the one
+retry policy) — or dead-lettered because it does not decode. Or it stays pending (crash, Redis down,
+upstream down, stop past the grace period) for this consumer's next read of its own pending list or
+for another worker's reclaim.
 
 Loop: entries of dead workers idle for ``claim_idle_ms`` (XAUTOCLAIM, at most the free slots, a
 scan every ``claim_idle_ms / 2``), own pending entries, then new ones; up to ``concurrency`` groups run at
@@ -12,10 +14,10 @@ of a live worker is never reclaimed. ``burst``: process what is available (inclu
 retries), then return 0.
 SIGTERM (``StopFlag``): read nothing more, give groups in hand ``grace_period_s`` to finish and
 hand off, cancel the rest (their entries stay pending), return 0.
-Proxy outage (``rollout.hold_on_proxy_outage``): a group that failed only because the proxy refused
-the connection is an infrastructure fault, not the trajectory's: its entry stays pending, no attempt
-is consumed, and the worker backs off (capped) before reading it again, so restarting the proxy never
-burns the retry budget of every group in flight. Burst mode uses the retry path instead, so it ends.
+Upstream down (``shared.codes.INFRASTRUCTURE``: proxy refused or timed out, 503s, an engine
+restarting): the failed group's entry stays pending — no attempt is spent — and the worker takes no
+group while ``upstream.UpstreamGate`` is open (capped backoff up to ``rollout.upstream_backoff_max_s``),
+then probes with one of its held groups. Burst mode leaves such groups pending and ends.
 """
 
 from __future__ import annotations
@@ -29,23 +31,24 @@ from collections.abc import Callable
 import redis
 
 from services.rollout_worker import metrics as prom
-from services.rollout_worker.commit import commit_completed, commit_failure, commit_poison, still_pending
-from services.rollout_worker.retry import decide, failed_rollout_group, staleness_rejection
+from services.rollout_worker.assembly import failed_group
+from services.rollout_worker.commit import commit_handoff, commit_poison, still_pending
+from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.runner import GroupFailed, GroupRunner
+from services.rollout_worker.upstream import UpstreamGate
 from shared.codec import decode_entry, entry_ids
+from shared.codes import INTERNAL_ERROR, MALFORMED, STALENESS_EXCEEDED
 from shared.config import RolloutConfig
 from shared.errors import MalformedEntry
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
-from shared.schemas import PromptGroup
+from shared.schemas import PromptGroup, RolloutGroup
 from shared.streams import Entry, GroupReader, ensure_group
 from shared.telemetry import Heartbeat, report_metrics
 
 log = logging.getLogger(__name__)
 SERVICE = "rollout-worker"
 POLL_S = 0.25  # how often the loop looks at the stop flag while groups run
-PROXY_DOWN = "proxy_unreachable"  # connection refused: the proxy is down, the trajectory did nothing wrong
-HOLD_BACKOFF_MAX_S = 10.0
 
 
 class RolloutWorker:
@@ -57,14 +60,13 @@ class RolloutWorker:
         self.clock, self.backoff_max_s = clock, backoff_max_s
         self.reader = GroupReader(r, keys.prompts, GROUP_ROLLOUT, consumer)
         self.heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
-        self.counts: Counter[str] = Counter()  # completed / reenqueued / dead_lettered / poison / skipped
+        self.counts: Counter[str] = Counter()  # completed / failed / held / poison / skipped
         self._claim_cursor: bytes | str = b"0-0"  # XAUTOCLAIM scan position
         self._active: set[bytes] = set()  # entry ids being processed now
         self._next_reclaim = 0.0
         self._next_touch = 0.0
         self._errors = 0  # consecutive Redis errors (backoff)
-        self._proxy_down = 0  # consecutive groups held because the proxy refused connections
-        self._burst = False
+        self.upstream = UpstreamGate(max_s=cfg.upstream_backoff_max_s)
 
     def run(self, burst: bool = False) -> int:
         """Run the loop (until stopped, or until drained with ``burst``), then close the proxy client."""
@@ -131,7 +133,8 @@ class RolloutWorker:
             return
         self._next_touch = now + min(self.cfg.claim_idle_ms / 3000, self.heartbeat.ttl_s / 3)
         try:
-            await asyncio.to_thread(self.heartbeat.beat, {"in_flight": in_flight, **self.counts}, True)
+            await asyncio.to_thread(self.heartbeat.beat, {"in_flight": in_flight, "upstream_down": self.upstream.is_down,
+                                                          **self.counts}, True)
             await asyncio.to_thread(self._touch)
         except redis.RedisError as exc:
             log.warning("keep-alive failed (entries in hand may be reclaimed): %s", exc)
@@ -164,7 +167,7 @@ class RolloutWorker:
         try:
             group = decode_entry(entry.fields, PromptGroup)
         except MalformedEntry as exc:
-            await asyncio.to_thread(commit_poison, self.r, self.keys, entry.id, entry.fields, exc.reason)
+            await asyncio.to_thread(commit_poison, self.r, self.keys, entry.id, entry.fields, MALFORMED, exc.reason)
             self.counts["poison"] += 1
             prom.POISON.inc()
             log.warning("poison entry dead-lettered entry_id=%s ids=%s reason=%s",
@@ -176,22 +179,20 @@ class RolloutWorker:
         try:
             rollout = await self.runner.run(group)
         except GroupFailed as gf:
-            f = gf.failure
-            if f.code == PROXY_DOWN and self.cfg.hold_on_proxy_outage and not self._burst:
-                await self._hold(entry, group, f.text)
-                return
-            await self._fail(entry, group, f.code, f.text, f.retryable, gf.started_at)
-            return
+            if gf.failure.infrastructure:
+                return self._hold(entry, group, gf.failure)
+            rollout = failed_group(group, gf.failure, self.consumer, gf.started_at, self.clock())
         except Exception as exc:  # poison guard: a bug in a task plugin/runner fails the group, never the loop
             log.exception("rollout crashed group_id=%s attempt=%d entry_id=%s",
                           group.group_id, group.attempt, entry.id.decode())
-            await self._fail(entry, group, "internal_error", f"internal_error: {type(exc).__name__}: {exc}",
-                             True, started)
-            return
-        self._proxy_down = 0
+            crash = TrajectoryFailed(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+            rollout = failed_group(group, crash, self.consumer, started, self.clock())
+        self.upstream.up()
         if not await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
             return self._skip(group, entry)
-        await asyncio.to_thread(commit_completed, self.r, self.keys, entry.id, rollout)
+        await asyncio.to_thread(commit_handoff, self.r, self.keys, entry.id, rollout)
+        if rollout.status == "failed":
+            return self._failed(entry, group, rollout)
         self.counts["completed"] += 1
         prom.GROUPS.labels("completed").inc()
         prom.TRAJECTORIES.inc(group.n_samples)
@@ -205,17 +206,14 @@ class RolloutWorker:
             "rollout/num_trajectories": group.n_samples, "rollout/num_segments": len(rollout.samples),
             "group_id": group.group_id, "attempt": group.attempt, "consumer": self.consumer})
 
-    async def _hold(self, entry: Entry, group: PromptGroup, error: str) -> None:
-        """Leave the entry pending (no attempt consumed) and back off until the proxy may be back."""
-        self._proxy_down += 1
-        delay = min(HOLD_BACKOFF_MAX_S, 0.25 * 2 ** min(self._proxy_down, 8))
+    def _hold(self, entry: Entry, group: PromptGroup, failure: TrajectoryFailed) -> None:
+        """Upstream unavailable: leave the entry pending (no attempt spent) and open the gate."""
+        delay = self.upstream.down()
         self.counts["held"] += 1
-        prom.GROUPS.labels("held_proxy_down").inc()
-        log.warning("proxy down: group kept pending, no attempt consumed group_id=%s attempt=%d entry_id=%s "
-                    "retry_in=%.1fs error=%s", group.group_id, group.attempt, entry.id.decode(), delay, error[:200])
-        deadline = time.monotonic() + delay
-        while not self.stop.is_set and time.monotonic() < deadline:
-            await asyncio.sleep(min(POLL_S, deadline - time.monotonic()))
+        prom.GROUPS.labels("held_upstream_down").inc()
+        log.warning("upstream down: group kept pending, no attempt spent group_id=%s attempt=%d entry_id=%s "
+                    "code=%s next_probe_in=%.1fs error=%s", group.group_id, group.attempt, entry.id.decode(),
+                    failure.code, delay, failure.text[:200])
         self.reader.reset()  # the held entry is ours and pending: the next read returns it again
 
     def _skip(self, group: PromptGroup, entry: Entry) -> None:
@@ -224,23 +222,15 @@ class RolloutWorker:
         log.warning("entry already acknowledged by another worker, result dropped group_id=%s attempt=%d entry_id=%s",
                     group.group_id, group.attempt, entry.id.decode())
 
-    async def _fail(self, entry: Entry, group: PromptGroup, code: str, error: str, retryable: bool,
-                    started: float) -> None:
-        decision = decide(group, error, self.cfg.max_retries, self.clock(), retryable)
-        failed = failed_rollout_group(group, decision, self.consumer, started, self.clock())
-        if not await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
-            return self._skip(group, entry)
-        await asyncio.to_thread(commit_failure, self.r, self.keys, entry.id, entry.fields, decision, failed)
-        self.counts[decision.handled] += 1
-        prom.GROUPS.labels(decision.handled).inc()
-        log.warning("rollout failed group_id=%s attempt=%d entry_id=%s handled=%s reason=%s error=%s",
-                    group.group_id, group.attempt, entry.id.decode(), decision.handled, decision.reason, error[:300])
-        rejection = staleness_rejection(code, group.n_samples)  # this event's code only: no sticky markers
-        if rejection:
+    def _failed(self, entry: Entry, group: PromptGroup, rollout: RolloutGroup) -> None:
+        self.counts["failed"] += 1
+        prom.GROUPS.labels("failed").inc()
+        if rollout.error_code == STALENESS_EXCEEDED:  # this event's own code: counted once, never sticky
             prom.REJECTED_GROUPS.inc()
             prom.REJECTED_SAMPLES.inc(group.n_samples)
-            await asyncio.to_thread(report_metrics, self.r, self.keys, SERVICE, {
-                **rejection, "group_id": group.group_id, "attempt": group.attempt, "consumer": self.consumer})
+        log.warning("rollout failed, handed to the collector group_id=%s attempt=%d entry_id=%s code=%s "
+                    "retryable=%s error=%s", group.group_id, group.attempt, entry.id.decode(), rollout.error_code,
+                    rollout.retryable, (rollout.error or "")[:300])
 
     async def _guarded(self, entry: Entry) -> None:
         """``_process`` with Redis outages contained: the entry then stays pending and is read again."""
@@ -258,7 +248,7 @@ class RolloutWorker:
         """Dead-letter (reason ``malformed``, original bytes) an entry whose processing raised, if still ours."""
         try:
             if await asyncio.to_thread(still_pending, self.r, self.keys, entry.id):
-                await asyncio.to_thread(commit_poison, self.r, self.keys, entry.id, entry.fields, error)
+                await asyncio.to_thread(commit_poison, self.r, self.keys, entry.id, entry.fields, MALFORMED, error)
                 self.counts["poison"] += 1
                 prom.POISON.inc()
         except redis.RedisError as exc:
@@ -267,21 +257,25 @@ class RolloutWorker:
     # -- the loop --------------------------------------------------------------------------------
 
     async def run_async(self, burst: bool = False) -> int:
-        self._burst = burst
         in_flight: dict[asyncio.Task[None], Entry] = {}
         read: asyncio.Task[list[Entry] | None] | None = None
         starved = False  # burst: the last read found nothing; read again only after a group finishes
         while not self.stop.is_set:
             await self._keep_alive(len(in_flight))
             prom.IN_FLIGHT.set(len(in_flight))
-            free = self.cfg.concurrency - len(in_flight)
+            free = self.upstream.slots(self.cfg.concurrency - len(in_flight), len(in_flight))
+            if burst and self.upstream.is_down and not in_flight and read is None:
+                break  # burst: what the upstream could not take stays pending, no attempt spent
             if read is None and free > 0 and not starved:
                 read = asyncio.create_task(self._fetch_safe(free, None if burst else self.cfg.block_ms))
             waiting: set[asyncio.Task[None] | asyncio.Task[list[Entry] | None]] = set(in_flight)
             if read is not None:
                 waiting.add(read)
             if not waiting:
-                break  # burst and nothing left
+                if burst:
+                    break  # burst and nothing left
+                await asyncio.sleep(POLL_S)  # the upstream gate is open: nothing may start yet
+                continue
             done, _ = await asyncio.wait(waiting, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
             if read is not None and read in done:
                 entries, read = read.result(), None

@@ -44,7 +44,7 @@ def test_trajectories_spanning_weight_updates_record_every_tokens_version_and_no
         # A group whose trajectory went past the span limit failed whole into the retry path.
         for g in groups:
             if g.status == "failed":
-                assert g.meta.get("handled") in ("reenqueued", "dead_lettered") and not g.samples
+                assert g.error_code and not g.samples and g.prompt_group is not None
         versions = {v for g in completed for s in g.samples for v in s.token_versions if real_version(v)}
         c.record_figures("partial_rollout", multi_version_samples=multi, versions_seen=len(versions),
                          failed_attempts=sum(g.status == "failed" for g in groups))

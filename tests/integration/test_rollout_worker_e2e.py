@@ -2,8 +2,10 @@
 
 A burst worker turns prompt groups into rollout groups whose every token carries the version that
 produced it; a black-box agent whose trajectory crosses a weight update is rejected by the proxy
-(partial_rollout_staleness_exceeded, max_partial_rollout_preempts = 0), the group is retried whole
-as attempt 1 on the new version, and the rejection is counted once.
+(partial_rollout_staleness_exceeded, max_partial_rollout_preempts = 0), the collector's retry
+policy (a real group-collector on the same Redis) re-enqueues it whole as attempt 1 on the new
+version, and the rejection is counted once. A proxy whose engine is down holds the worker's group
+pending — no attempt spent, no new group taken — until the engine comes back.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import httpx
 import pytest
 import redis
 
+from services.group_collector.collector import GroupCollector
+from services.group_collector.core import CollectorCore
 from shared.codec import decode_entry, encode_entry
+from shared.codes import STALENESS_EXCEEDED
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.modeling import ensure_model
 from shared.redisproc import RedisProcess
-from shared.schemas import PromptGroup, RolloutGroup, WeightVersion
-from shared.staleness import real_version
+from shared.schemas import DeadLetter, PromptGroup, RolloutGroup, WeightVersion
+from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker, real_version
 from shared.streams import ensure_group
-from shared.telemetry import read_metrics
 from shared.versionbus import publish_version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +146,23 @@ def enqueue(r: redis.Redis, keys: Keys, groups: list[dict[str, Any]]) -> None:
         r.xadd(keys.prompts, encode_entry(PromptGroup(enqueued_at=time.time(), **g)))  # type: ignore[arg-type]
 
 
+def collect(r: redis.Redis, keys: Keys, max_retries: int) -> None:
+    """One burst of the real group-collector (window off): the retry policy for failed groups."""
+    core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(None))), 1000, max_retries)
+    GroupCollector(r, keys, core, consumer="c-e2e", default_keep_versions=0, burst=True, trim_interval_s=0).run()
+
+
+def rounds(stack: Stack, r: redis.Redis, name: str, max_retries: int, done: Any, limit: int = 6,
+           **cfg: str) -> None:
+    """Worker burst, collector burst, until ``done()`` (each failed attempt comes back once)."""
+    for _ in range(limit):
+        assert stack.worker(name, max_retries=str(max_retries), **cfg).wait(240) == 0, stack.log(name)
+        collect(r, stack.keys, max_retries)
+        if done():
+            return
+    raise AssertionError(f"not done after {limit} rounds: {stack.log(name)[-3000:]}")
+
+
 def new_rollouts(r: redis.Redis, keys: Keys, after: str = "-") -> list[RolloutGroup]:
     return [decode_entry(f, RolloutGroup) for _, f in r.xrange(keys.rollouts, min=after)]
 
@@ -197,14 +218,19 @@ def test_trajectory_crossing_a_weight_update_is_rejected_retried_whole_and_count
         time.sleep(0.05)
     go.touch()
     assert proc.wait(240) == 0, stack.log("w-span")
+    stats_before = {k.decode(): int(v) for k, v in redis_client.hgetall(stack.keys.custom("stats")).items()}
+    collect(redis_client, stack.keys, max_retries=2)  # the failed attempt 0 -> attempt 1
+    assert stack.worker("w-span2", agent_command=f'["{sys.executable}", "{agent}", "{marks}", "{go}"]').wait(240) == 0
     out = new_rollouts(redis_client, stack.keys, tail)
-    assert [(g.attempt, g.status) for g in out] == [(0, "failed"), (1, "completed")], stack.log("w-span")
-    assert (out[0].error or "").startswith("partial_rollout_staleness_exceeded") and out[0].meta["handled"] == "reenqueued"
+    assert [(g.attempt, g.status) for g in out] == [(0, "failed"), (1, "completed")], stack.log("w-span2")
+    assert out[0].error_code == STALENESS_EXCEEDED and out[0].retryable
     assert {real_version(v) for s in out[1].samples for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m} \
         == {after}  # attempt 1 ran entirely on the new weights
-    rejections = [m for m in read_metrics(redis_client, stack.keys, "rollout-worker")
-                  if m.get("group_id") == "span-1" and "staleness/partial_rollout_rejected_groups" in m]
-    assert [(m["attempt"], m["staleness/partial_rollout_rejected_samples"]) for m in rejections] == [(0, 2)]
+    prompt = [decode_entry(f, PromptGroup) for _, f in redis_client.xrange(stack.keys.prompts, min=tail)][-1]
+    assert [(h.attempt, h.reason) for h in prompt.retry_history] == [(0, "failed")]
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(stack.keys.custom("stats")).items()}
+    assert stats.get("partial_rollout_rejected_groups", 0) - stats_before.get("partial_rollout_rejected_groups", 0) == 1
+    assert stats.get("partial_rollout_rejected_samples", 0) - stats_before.get("partial_rollout_rejected_samples", 0) == 2
 
 
 def test_weight_updates_under_load_lose_and_double_nothing(stack: Stack, redis_client: redis.Redis) -> None:
@@ -216,20 +242,71 @@ def test_weight_updates_under_load_lose_and_double_nothing(stack: Stack, redis_c
          "reference": {"low": 10 + i, "high": 20 + i, "secret": 15 + i}, "n_samples": 2} for i, gid in enumerate(ids)])
     proc = stack.worker("w-load", concurrency="3", max_retries="3")
     version = int(stack.proxy_version() or "0")
-    for step in range(1, 4):  # three updates while the worker runs
+    for step in range(1, 4):  # three updates while the worker runs: at most 3 failed attempts per group
         time.sleep(0.4)
         publish_version(redis_client, stack.keys, WeightVersion(version=str(version + step), path=str(stack.model_dir),
                                                                 step=version + step, published_at=time.time()))
     assert proc.wait(240) == 0, stack.log("w-load")
+    collect(redis_client, stack.keys, max_retries=3)
+
+    def settled() -> bool:
+        last = {g.group_id: g for g in new_rollouts(redis_client, stack.keys, tail)}
+        return set(last) == set(ids) and all(g.status == "completed" for g in last.values())
+
+    if not settled():  # retries run with no update in flight: each completes
+        rounds(stack, redis_client, "w-load2", 3, settled, concurrency="3")
     out = new_rollouts(redis_client, stack.keys, tail)
     for gid in ids:
         mine = [g for g in out if g.group_id == gid]
         assert [g.attempt for g in mine] == list(range(len(mine)))  # no attempt lost or doubled
-        assert all(g.status == "failed" and g.meta["handled"] == "reenqueued" for g in mine[:-1])
+        assert all(g.status == "failed" and g.retryable for g in mine[:-1])
         last = mine[-1]
-        assert last.status == "completed" or last.meta["handled"] == "dead_lettered", last
+        assert last.status == "completed", last  # never dead-lettered: three updates cost at most three attempts
         for s in last.samples:  # max_partial_rollout_preempts = 0: one real version per completed trajectory
             assert len({real_version(v) for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m}) == 1
     assert redis_client.xpending(stack.keys.prompts, GROUP_ROLLOUT)["pending"] == 0
     retried = sum(g.status == "failed" for g in out)
     print(f"weight updates under load: {len(ids)} groups, {retried} failed attempts retried")
+
+
+def test_engine_down_holds_the_group_without_spending_an_attempt_until_it_comes_back(
+        stack: Stack, redis_client: redis.Redis, tmp_path: Path) -> None:
+    """A real proxy whose engine is down (connection refused -> 503): the worker keeps the group pending
+    and takes no new group; when the engine starts, attempt 0 of every group completes, nothing dead."""
+    engine_port, proxy_port = free_port(), free_port()
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    keys = Keys(f"down{uuid.uuid4().hex[:8]}")
+    env = {**stack.env(), "DRESSAGE_REDIS_PREFIX": keys.prefix}
+    procs = [start(tmp_path, "proxy", ["services.proxy", "--port", str(proxy_port)],
+                   {**env, "DRESSAGE_PROXY_ENGINES": f'["http://127.0.0.1:{engine_port}"]'}, f"{proxy_url}/health")]
+    try:
+        enqueue(redis_client, keys, [{"group_id": f"down-{i}", "prompt_id": f"d{i}", "task": "reverse",
+                                      "prompt": "reverse 12", "reference": "21", "n_samples": 1} for i in range(3)])
+        log = (tmp_path / "worker.log").open("ab")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "services.rollout_worker", "--consumer", "w-down"], cwd=REPO, stdout=log,
+            stderr=subprocess.STDOUT, env={**env, "DRESSAGE_ROLLOUT_PROXY_URL": proxy_url, "DRESSAGE_ROLLOUT_MAX_RETRIES": "0",
+                                           "DRESSAGE_ROLLOUT_BLOCK_MS": "100", "DRESSAGE_ROLLOUT_UPSTREAM_BACKOFF_MAX_S": "1"}))
+        worker_log = tmp_path / "worker.log"
+        deadline = time.monotonic() + 120
+        while worker_log.read_text().count("upstream down: group kept pending") < 3:  # held and probed again
+            assert procs[-1].poll() is None and time.monotonic() < deadline, worker_log.read_text()
+            time.sleep(0.1)
+        assert redis_client.xlen(keys.rollouts) == 0 and redis_client.xlen(keys.dead) == 0
+        assert redis_client.xpending(keys.prompts, GROUP_ROLLOUT)["pending"] == 1  # one held, no new one taken
+        procs.insert(0, start(tmp_path, "engine", ["services.engine", "--port", str(engine_port), "--weight-version", "0"],
+                              {**env, "DRESSAGE_ENGINE_NUM_THREADS": "1"}, f"http://127.0.0.1:{engine_port}/health"))
+        while redis_client.xlen(keys.rollouts) < 3:
+            assert procs[-1].poll() is None and time.monotonic() < deadline + 120, worker_log.read_text()
+            time.sleep(0.1)
+        out = new_rollouts(redis_client, keys)
+        assert sorted((g.group_id, g.attempt, g.status) for g in out) == [
+            (f"down-{i}", 0, "completed") for i in range(3)], worker_log.read_text()[-3000:]
+        assert [decode_entry(f, DeadLetter) for _, f in redis_client.xrange(keys.dead)] == []
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -22,7 +22,7 @@ from services.rollout_worker.fake_proxy import FakeProxy, serve
 from shared.codec import decode_entry, encode_entry
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.redisproc import RedisProcess
-from shared.schemas import DeadLetter, PromptGroup, RolloutGroup
+from shared.schemas import PromptGroup, RolloutGroup
 from shared.streams import ensure_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,16 +203,15 @@ def test_sigterm_past_the_grace_period_leaves_the_group_pending_and_exits_0(
     assert rollouts(redis_client, keys) == [] and pending(redis_client, keys) == 1  # left for a reclaim
 
 
-def test_always_failing_group_is_retried_then_dead_lettered(
+def test_always_failing_group_is_handed_to_the_collector_not_retried_by_the_worker(
         workers: Workers, redis_client: redis.Redis, keys: Keys, fake: FakeProxy) -> None:
     fake.fail = lambda sid, i: "generation_preempted"
     enqueue(redis_client, keys, 1)
     proc = workers.start("w1", "--burst", max_retries=1)
     assert proc.wait(60) == 0, workers.log("w1")
     out = rollouts(redis_client, keys)
-    assert [(g.attempt, g.status, g.meta["handled"]) for g in out] == [
-        (0, "failed", "reenqueued"), (1, "failed", "dead_lettered")]
-    (dead,) = [decode_entry(f, DeadLetter) for _, f in redis_client.xrange(keys.dead)]
-    assert dead.reason == "retries_exhausted" and dead.error.startswith("generation_preempted")
-    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.custom("stats")).items()}
-    assert stats == {"groups_reenqueued": 1, "groups_dead_lettered": 1} and pending(redis_client, keys) == 0
+    assert [(g.attempt, g.status, g.error_code, g.retryable) for g in out] == [
+        (0, "failed", "generation_preempted", True)]
+    assert (out[0].error or "").startswith("generation_preempted") and out[0].prompt_group is not None
+    assert redis_client.xlen(keys.dead) == 0 and len(redis_client.xrange(keys.prompts)) == 1  # the collector decides
+    assert redis_client.hgetall(keys.custom("stats")) == {} and pending(redis_client, keys) == 0

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.codec import decode_body, decode_entry, encode_body, encode_entry, entry_ids
-from shared.errors import MalformedEntry
-from shared.schemas import Batch, DeadLetter, Message, PromptGroup, RolloutGroup, Sample, Window
+from shared.errors import MalformedEntry, UnsupportedSchema
+from shared.schemas import Batch, DeadLetter, Message, PromptGroup, RetryRecord, RolloutGroup, Sample, Window
 
 
 def make_sample(traj: str = "t0", n: int = 6, version: str = "3", seg: int = 0, reward: float = 0.5) -> Sample:
@@ -72,7 +72,7 @@ def test_dead_letter_keeps_original_bytes() -> None:
 
 @pytest.mark.parametrize("mutate, needle", [
     (lambda f: f.pop("schema"), "schema"),
-    (lambda f: f.update(schema=b"2"), "schema"),
+    (lambda f: f.update(schema=b"3"), "schema"),
     (lambda f: f.update(kind=b"batch"), "kind"),
     (lambda f: f.pop("body"), "body"),
     (lambda f: f.update(body=f["body"][:-7]), "msgpack"),
@@ -143,3 +143,48 @@ def test_structured_garbage_only_ever_raises_malformed_entry(body: dict) -> None
             decode_body(raw, kind)
         except MalformedEntry:
             pass
+
+
+def v1_entry(kind: str, body: dict[str, object], **plain: str) -> dict[bytes, bytes]:
+    """An entry as a schema-1 producer wrote it (plain fields + msgpack body)."""
+    fields = {b"schema": b"1", b"kind": kind.encode(), **{k.encode(): v.encode() for k, v in plain.items()}}
+    fields[b"body"] = msgpack.packb(body, use_bin_type=True)
+    return fields
+
+
+V1_PROMPT = {"group_id": "g1", "prompt_id": "p1", "task": "reverse", "prompt": "reverse 12", "reference": "21",
+             "n_samples": 2, "attempt": 2, "enqueued_at": 5.0,
+             "meta": {"epoch": 1, "retry_history": [{"attempt": 0, "error": "trajectory_timeout: slow"},
+                                                    {"attempt": 1, "reason": "stale", "error": "stale", "at": 4.0}]}}
+
+
+def test_v1_prompt_group_decodes_with_its_retry_history_typed() -> None:
+    pg = decode_entry(v1_entry("prompt_group", V1_PROMPT, group_id="g1"), PromptGroup)
+    assert pg.meta == {"epoch": 1} and pg.retry_history == [
+        RetryRecord(attempt=0, reason="failed", error="trajectory_timeout: slow", at=0.0),
+        RetryRecord(attempt=1, reason="stale", error="stale", at=4.0)]
+    assert encode_entry(pg)["schema"] == b"2"  # re-encoded as v2
+
+
+def test_v1_rollout_group_decodes_with_prompt_code_and_retryable() -> None:
+    body = {"group_id": "g1", "prompt_id": "p1", "attempt": 2, "status": "failed",
+            "error": "trajectory_version_changed: v3 -> v4 (session s)", "samples": [],
+            "meta": {"prompt_group": V1_PROMPT, "worker": "w1"}}
+    rg = decode_entry(v1_entry("rollout_group", body, group_id="g1"), RolloutGroup)
+    assert rg.error_code == "trajectory_version_changed" and rg.retryable and rg.meta == {"worker": "w1"}
+    assert rg.prompt_group is not None and rg.prompt_group.attempt == 2 and len(rg.prompt_group.retry_history) == 2
+
+
+def test_v1_failed_group_a_v1_worker_already_handled_is_unsupported() -> None:
+    body = {"group_id": "g1", "prompt_id": "p1", "attempt": 0, "status": "failed", "error": "x", "samples": [],
+            "meta": {"handled": "reenqueued", "prompt_group": V1_PROMPT}}
+    with pytest.raises(UnsupportedSchema, match="already reenqueued"):
+        decode_entry(v1_entry("rollout_group", body, group_id="g1"), RolloutGroup)
+
+
+def test_v1_batch_decodes_without_prompt_groups() -> None:
+    group = {"group_id": "g1", "prompt_id": "p1", "attempt": 0, "status": "completed", "samples": [],
+             "meta": {"prompt_group": V1_PROMPT}}
+    body = {"batch_id": "b1", "groups": [group], "window": {"keep_versions": 1}, "meta": {}}
+    batch = decode_entry(v1_entry("batch", body, group_id="b1"), Batch)
+    assert [g.prompt_group for g in batch.groups] == [None] and batch.groups[0].meta == {}

@@ -13,7 +13,6 @@ from services.group_collector.outcomes import (
     BatchOut,
     DeadLetterOut,
     Discard,
-    Observed,
     Reenqueue,
     done_key,
 )
@@ -62,7 +61,7 @@ def test_a_group_with_one_stale_trajectory_is_dropped_whole_and_reenqueued_as_ne
     assert isinstance(action, Reenqueue) and action.why == "stale"
     assert action.prompt.group_id == "g1" and action.prompt.attempt == 1
     assert action.prompt.enqueued_at == 777.0  # fresh
-    assert action.prompt.meta["retry_history"][-1]["reason"] == "stale"
+    assert action.prompt.retry_history[-1].reason == "stale" and action.prompt.retry_history[-1].at == 777.0
     assert action.stats == {"groups_reenqueued": 1, "reenqueued:stale": 1, "groups_dropped_stale": 1}
     assert c.waiting == []
 
@@ -79,26 +78,47 @@ def test_the_last_attempt_of_a_stale_group_is_dead_lettered() -> None:
     assert dead.closed_ids == ["g1"]
 
 
-def test_failed_group_without_handled_is_retried_then_dead_lettered_with_retries_exhausted() -> None:
+def test_failed_group_is_retried_then_dead_lettered_with_retries_exhausted() -> None:
     c = core(retries=1)
     [retry] = c.on_arrivals([arrive(rollout_group("g1", [], status="failed", error="timeout"))])
     assert isinstance(retry, Reenqueue) and retry.why == "failed" and retry.prompt.attempt == 1
-    assert retry.prompt.meta["retry_history"][-1]["error"] == "timeout"
+    assert [(h.attempt, h.reason, h.error) for h in retry.prompt.retry_history] == [(0, "failed", "timeout")]
     [dead] = c.on_arrivals([arrive(rollout_group("g1", [], attempt=1, status="failed", error="timeout"))])
     assert isinstance(dead, DeadLetterOut) and dead.reason == "retries_exhausted"
     assert "timeout" in dead.error
 
 
-def test_failed_group_handled_by_its_worker_is_only_observed() -> None:
-    c = core(keep=1)
-    [obs] = c.on_arrivals([arrive(rollout_group("g1", ["5"], status="failed", error="x", handled="reenqueued"))])
-    assert isinstance(obs, Observed) and obs.closed_ids == []
-    assert c.tracker.current_version_label == "5"  # failed groups are observed too
-    [dead] = c.on_arrivals([arrive(rollout_group("g2", [], status="failed", error="x", handled="dead_lettered"))])
-    assert isinstance(dead, Observed) and dead.closed_ids == ["g2"]
+def test_a_failed_group_that_cannot_be_retried_is_dead_lettered_at_once_and_closed() -> None:
+    c = core(keep=1, retries=5)
+    bad = rollout_group("g2", [], status="failed", error="invalid_prompt_group: unknown task", retryable=False)
+    [dead] = c.on_arrivals([arrive(bad)])
+    assert isinstance(dead, DeadLetterOut) and dead.reason == "invalid_prompt_group"
+    assert dead.closed_ids == ["g2"] and dead.stats["dead_lettered:invalid_prompt_group"] == 1
     # A late copy of the dead-lettered group can no longer be trained.
     [late] = c.on_arrivals([arrive(rollout_group("g2", ["5"], attempt=1))])
     assert isinstance(late, Discard) and late.why == "closed"
+
+
+def test_failed_groups_advance_the_window_too() -> None:
+    c = core(keep=1)
+    c.on_arrivals([arrive(rollout_group("g1", ["5"], status="failed", error="x"))])
+    assert c.tracker.current_version_label == "5"
+
+
+def test_retry_history_and_error_text_are_cut_to_one_limit() -> None:
+    c = core(retries=3)
+    [retry] = c.on_arrivals([arrive(rollout_group("g1", [], status="failed", error="x" * 5000))])
+    assert isinstance(retry, Reenqueue) and len(retry.prompt.retry_history[0].error) == 1000
+    [dead] = c.on_arrivals([arrive(rollout_group("g9", [], status="failed", error="y" * 5000, retryable=False))])
+    assert isinstance(dead, DeadLetterOut) and len(dead.error) == 1000
+
+
+def test_batches_carry_the_groups_without_their_prompt_groups() -> None:
+    c = core(per_batch=1)
+    c.on_arrivals([arrive(rollout_group("g1", ["0"]))])
+    [out] = c.assemble(1, "0")
+    assert isinstance(out, BatchOut) and [g.prompt_group for g in out.batch.groups] == [None]
+    assert out.members[0].group.prompt_group is not None  # the waiting arrival keeps it (a failed commit)
 
 
 def test_new_version_in_a_read_rechecks_waiting_groups_before_admitting_new_ones() -> None:
@@ -226,10 +246,10 @@ def test_partial_rollout_rejections_counted_once_per_event_without_sticky_marker
     later = rollout_group("g1", [], attempt=1, status="failed", error="timeout")  # unrelated failure
     [b] = c.on_arrivals([arrive(later)])
     assert "partial_rollout_rejected_groups" not in b.stats
-    handled = rollout_group("g2", ["0", "0"], status="failed", handled="reenqueued",
-                            error="partial_rollout_staleness_exceeded")
-    [h] = c.on_arrivals([arrive(handled)])
-    assert h.stats["partial_rollout_rejected_groups"] == 1 and h.stats["partial_rollout_rejected_samples"] == 2
+    text_only = rollout_group("g2", ["0", "0"], status="failed", error="proxy_http_500: partial_rollout_staleness_exceeded",
+                              error_code="proxy_http_500")  # the code decides, not a mention in the text
+    [t] = c.on_arrivals([arrive(text_only)])
+    assert "partial_rollout_rejected_groups" not in t.stats
 
 
 def test_a_group_without_its_prompt_group_is_dead_lettered_not_lost() -> None:

@@ -1,8 +1,10 @@
-"""The worker loop on fakeredis + the fake proxy: hand-off, poison, retries, staleness counts, reclaim, stop."""
+"""The worker loop on fakeredis + the fake proxy: hand-off (completed and failed), poison, the retry path
+through the collector, infrastructure failures held without spending attempts, reclaim, stop."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from typing import Any
@@ -11,17 +13,21 @@ import fakeredis
 import pytest
 import redis
 
+from services.group_collector.collector import GroupCollector
+from services.group_collector.core import CollectorCore
 from services.rollout_worker import commit as commit_mod
 from services.rollout_worker import metrics as prom
-from services.rollout_worker.errors import STALENESS_EXCEEDED, TrajectoryFailed
+from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient
 from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import RolloutWorker
 from shared.codec import decode_entry, encode_entry
+from shared.codes import STALENESS_EXCEEDED
 from shared.config import RolloutConfig
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import DeadLetter, PromptGroup, RolloutGroup
+from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
 from shared.streams import ensure_group, reclaim
 from shared.telemetry import read_metrics
 
@@ -80,7 +86,7 @@ def test_burst_hands_every_group_off_with_its_prompt_acknowledged(r: redis.Redis
     assert [g.group_id for g in out] == ["g0", "g1", "g2"] and pending(r, keys) == 0
     for g, rg in zip(groups, out, strict=True):
         assert rg.status == "completed" and rg.attempt == 0 and len(rg.samples) == 2
-        assert rg.meta["worker"] == "w1" and PromptGroup.model_validate(rg.meta["prompt_group"]) == g
+        assert rg.meta["worker"] == "w1" and rg.prompt_group == g
         assert rg.meta["rewards"] == [1.0, 1.0] and rg.end_versions == ["4", "4"]
     assert fake.sessions == {}  # every session deleted
     reports = read_metrics(r, keys, "rollout-worker")
@@ -103,50 +109,75 @@ def test_poison_is_dead_lettered_with_its_bytes_and_the_loop_goes_on(r: redis.Re
     assert stats(r, keys) == {"poison_dead_lettered": 2} and w.counts["poison"] == 2
 
 
-def test_failing_group_is_reenqueued_then_dead_lettered_at_the_last_attempt(r: redis.Redis, keys: Keys) -> None:
-    enqueue(r, keys, 1)
+def collector(r: redis.Redis, keys: Keys, retries: int) -> GroupCollector:
+    ids = (f"b{i}" for i in itertools.count(1))
+    core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(None))), 1, retries,
+                         new_batch_id=lambda: next(ids))
+    return GroupCollector(r, keys, core, consumer="c1", default_keep_versions=0, burst=True, trim_interval_s=0)
+
+
+def pipeline(r: redis.Redis, keys: Keys, fake: FakeProxy, retries: int, rounds: int = 6) -> None:
+    """Worker and collector in turns, each in burst mode, until nothing moves."""
+    c = collector(r, keys, retries)
+    for _ in range(rounds):
+        worker(r, keys, fake, max_retries=retries).run(burst=True)
+        c.run()
+
+
+def test_a_failed_group_is_handed_to_the_collector_with_its_code_and_nothing_else(r: redis.Redis, keys: Keys) -> None:
+    [g] = enqueue(r, keys, 1)
     fake = FakeProxy(reply=solve, fail=lambda sid, i: "trajectory_version_changed" if "-s1-" in sid else None)
     w = worker(r, keys, fake, max_retries=2)
     assert w.run(burst=True) == 0
+    [out] = rollouts(r, keys)
+    assert (out.attempt, out.status, out.error_code, out.retryable, out.samples) == (
+        0, "failed", "trajectory_version_changed", True, [])
+    assert out.prompt_group == g and (out.error or "").startswith("trajectory_version_changed")
+    assert r.xlen(keys.prompts) == 1 and r.xlen(keys.dead) == 0 and pending(r, keys) == 0  # the collector decides
+    assert stats(r, keys) == {} and w.counts["failed"] == 1
+
+
+def test_failing_group_is_retried_by_the_collector_then_dead_lettered_at_the_last_attempt(
+        r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 1)
+    fake = FakeProxy(reply=solve, fail=lambda sid, i: "trajectory_version_changed" if "-s1-" in sid else None)
+    pipeline(r, keys, fake, retries=2)
     out = rollouts(r, keys)
-    assert [(g.attempt, g.status, g.meta["handled"]) for g in out] == [
-        (0, "failed", "reenqueued"), (1, "failed", "reenqueued"), (2, "failed", "dead_lettered")]
-    assert all(g.error and g.error.startswith("trajectory_version_changed") and g.samples == [] for g in out)
+    assert [(g.attempt, g.status) for g in out] == [(0, "failed"), (1, "failed"), (2, "failed")]
     prompts = [decode_entry(f, PromptGroup) for _, f in r.xrange(keys.prompts)]
     assert [p.attempt for p in prompts] == [0, 1, 2] and pending(r, keys) == 0
-    assert prompts[2].meta["retry_history"][1]["attempt"] == 1 and prompts[2].enqueued_at > 1.0
+    assert [(h.attempt, h.reason) for h in prompts[2].retry_history] == [(0, "failed"), (1, "failed")]
+    assert prompts[2].enqueued_at > 1.0
     (dead,) = [decode_entry(f, DeadLetter) for _, f in r.xrange(keys.dead)]
-    assert dead.reason == "retries_exhausted" and dead.error.startswith("trajectory_version_changed")
-    assert decode_entry(dead.fields, PromptGroup).attempt == 2  # the original bytes of the last attempt
-    assert stats(r, keys) == {"groups_reenqueued": 2, "groups_dead_lettered": 1}
+    assert dead.reason == "retries_exhausted" and "trajectory_version_changed" in dead.error
+    assert decode_entry(dead.fields, RolloutGroup).attempt == 2  # the original bytes of the last attempt
+    assert {k: v for k, v in stats(r, keys).items() if k.startswith("groups_")} == {
+        "groups_reenqueued": 2, "groups_dead_lettered": 1}
     assert len({sid for sid, _ in fake.calls}) == 6 and fake.sessions == {}
 
 
 def test_invalid_prompt_group_is_dead_lettered_without_retries(r: redis.Redis, keys: Keys) -> None:
     enqueue(r, keys, 1, task="chess")
-    worker(r, keys, FakeProxy(), max_retries=2).run(burst=True)
+    pipeline(r, keys, FakeProxy(), retries=2, rounds=2)
     (dead,) = [decode_entry(f, DeadLetter) for _, f in r.xrange(keys.dead)]
     assert dead.reason == "invalid_prompt_group" and "chess" in dead.error
-    assert [g.meta["handled"] for g in rollouts(r, keys)] == ["dead_lettered"]
-    assert stats(r, keys) == {"groups_dead_lettered": 1}
+    assert [(g.status, g.retryable) for g in rollouts(r, keys)] == [("failed", False)]
+    assert stats(r, keys)["groups_dead_lettered"] == 1 and r.xlen(keys.prompts) == 1
 
 
 def test_staleness_rejections_count_once_per_event_and_never_stick(r: redis.Redis, keys: Keys) -> None:
-    """attempt 0: every trajectory rejected for staleness; attempt 1: unrelated 503; attempt 2: success."""
+    """attempt 0: every trajectory rejected for staleness; attempt 1: a group error; attempt 2: success."""
     enqueue(r, keys, 1, n_samples=3)
 
     def fail(sid: str, i: int) -> str | None:
-        return {"-a0-": STALENESS_EXCEEDED, "-a1-": "upstream_unavailable"}.get(sid[sid.index("-a"):][:4])
+        return {"-a0-": STALENESS_EXCEEDED, "-a1-": "generation_preempted"}.get(sid[sid.index("-a"):][:4])
 
     before = prom.REJECTED_GROUPS._value.get()
-    worker(r, keys, FakeProxy(reply=solve, fail=fail), max_retries=2).run(burst=True)
+    pipeline(r, keys, FakeProxy(reply=solve, fail=fail), retries=2)
     out = rollouts(r, keys)
     assert [(g.attempt, g.status) for g in out] == [(0, "failed"), (1, "failed"), (2, "completed")]
-    rejections = [m for m in read_metrics(r, keys, "rollout-worker")
-                  if "staleness/partial_rollout_rejected_groups" in m]
-    assert len(rejections) == 1  # the 503 of attempt 1 is not a staleness event, despite attempt 0's history
-    assert rejections[0]["staleness/partial_rollout_rejected_groups"] == 1
-    assert rejections[0]["staleness/partial_rollout_rejected_samples"] == 3 and rejections[0]["attempt"] == 0
+    s = stats(r, keys)  # the failure of attempt 1 is not a staleness event, despite attempt 0's history
+    assert (s["partial_rollout_rejected_groups"], s["partial_rollout_rejected_samples"]) == (1, 3)
     assert prom.REJECTED_GROUPS._value.get() - before == 1
 
 
@@ -212,9 +243,10 @@ def test_a_crash_inside_the_rollout_fails_the_group_into_the_retry_path(r: redis
             raise RuntimeError("plugin bug")
         return solve(sid, msgs)
 
-    worker(r, keys, FakeProxy(reply=reply)).run(burst=True)
+    pipeline(r, keys, FakeProxy(reply=reply), retries=2, rounds=2)
     out = {(g.group_id, g.attempt): g for g in rollouts(r, keys)}
     assert out[("g0", 0)].status == "failed" and "internal_error: RuntimeError: plugin bug" in (out[("g0", 0)].error or "")
+    assert out[("g0", 0)].error_code == "internal_error"
     assert out[("g0", 1)].status == "completed" and out[("g1", 0)].status == "completed"
 
 
@@ -228,7 +260,7 @@ def test_concurrency_runs_several_groups_at_once(r: redis.Redis, keys: Keys) -> 
 def test_redis_error_at_commit_leaves_the_entry_pending_and_it_is_redone(
         r: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch) -> None:
     enqueue(r, keys, 1)
-    real = commit_mod.commit_completed
+    real = commit_mod.commit_handoff
     calls = []
 
     def flaky(*args: Any) -> bytes:
@@ -237,7 +269,7 @@ def test_redis_error_at_commit_leaves_the_entry_pending_and_it_is_redone(
             raise redis.ConnectionError("connection reset")
         return real(*args)
 
-    monkeypatch.setattr("services.rollout_worker.worker.commit_completed", flaky)
+    monkeypatch.setattr("services.rollout_worker.worker.commit_handoff", flaky)
     worker(r, keys, FakeProxy(reply=solve)).run(burst=True)
     assert len(calls) == 2 and [g.group_id for g in rollouts(r, keys)] == ["g0"] and pending(r, keys) == 0
 
@@ -296,46 +328,67 @@ def test_stopped_worker_reads_nothing_new(r: redis.Redis, keys: Keys) -> None:
 
 
 class _DownThenUp(FakeProxyClient):
-    """A proxy that refuses connections for its first ``down`` calls, then answers."""
+    """An upstream that fails with ``code`` (infrastructure) for its first ``down`` calls, then answers."""
 
-    def __init__(self, fake: FakeProxy, down: int) -> None:
+    def __init__(self, fake: FakeProxy, down: int, code: str = "proxy_unreachable") -> None:
         super().__init__(fake)
-        self.down = down
+        self.down, self.code = down, code
+        self.attempts_seen: list[str] = []
 
     async def chat(self, session_id: str, messages: Any, max_tokens: int, temperature: float) -> str:
+        self.attempts_seen.append(session_id)
         if self.down > 0:
             self.down -= 1
-            raise TrajectoryFailed("proxy_unreachable", "POST /v1/chat/completions: ConnectError", retryable=True)
+            raise TrajectoryFailed(self.code, "upstream down", retryable=True)
         return await super().chat(session_id, messages, max_tokens, temperature)
 
 
-def test_proxy_outage_keeps_the_group_pending_without_consuming_an_attempt(r: redis.Redis, keys: Keys) -> None:
-    enqueue(r, keys, 1)
-    conf = RolloutConfig(block_ms=20, max_retries=0)  # a consumed attempt would dead-letter at once
-    stop = StopFlag()
-    w = RolloutWorker(r, keys, conf, GroupRunner(_DownThenUp(FakeProxy(reply=solve), down=3), conf, "w1"), "w1",
-                      stop=stop, backoff_max_s=0.05)
+def down_worker(r: redis.Redis, keys: Keys, proxy: FakeProxyClient, **cfg: Any) -> RolloutWorker:
+    conf = RolloutConfig(**{"block_ms": 20, "max_retries": 0, "upstream_backoff_max_s": 0.2, **cfg})
+    return RolloutWorker(r, keys, conf, GroupRunner(proxy, conf, "w1"), "w1", stop=StopFlag(), backoff_max_s=0.05)
 
-    async def run() -> None:
-        task = asyncio.create_task(w.run_async())
-        for _ in range(400):
-            await asyncio.sleep(0.05)
-            if r.xlen(keys.rollouts):
-                break
-        stop.set()
-        await task
 
-    asyncio.run(run())
+async def run_until(w: RolloutWorker, done: Any, timeout_s: float = 20.0) -> None:
+    task = asyncio.create_task(w.run_async())
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    w.stop.set()
+    await task
+
+
+@pytest.mark.parametrize("code", ["proxy_unreachable", "upstream_unavailable", "proxy_timeout"])
+def test_upstream_outage_keeps_the_group_pending_without_spending_an_attempt(
+        r: redis.Redis, keys: Keys, code: str) -> None:
+    enqueue(r, keys, 1, n_samples=1)  # max_retries 0: a spent attempt would dead-letter at once
+    w = down_worker(r, keys, _DownThenUp(FakeProxy(reply=solve), down=3, code=code))
+    asyncio.run(run_until(w, lambda: r.xlen(keys.rollouts) > 0))
     [out] = rollouts(r, keys)
-    assert out.status == "completed" and out.attempt == 0 and w.counts["held"] >= 1
-    assert r.xlen(keys.dead) == 0 and pending(r, keys) == 0
+    assert out.status == "completed" and out.attempt == 0 and w.counts["held"] == 3
+    assert r.xlen(keys.dead) == 0 and pending(r, keys) == 0 and not w.upstream.is_down
     assert not any(fields.get(b"attempt") == b"1" for _, fields in r.xrange(keys.prompts))
 
 
-def test_burst_mode_sends_a_proxy_outage_into_the_retry_path(r: redis.Redis, keys: Keys) -> None:
-    enqueue(r, keys, 1)
-    conf = RolloutConfig(block_ms=20, max_retries=0)
-    w = RolloutWorker(r, keys, conf, GroupRunner(_DownThenUp(FakeProxy(reply=solve), down=100), conf, "w1"), "w1",
-                      stop=StopFlag(), backoff_max_s=0.05)
+def test_while_the_upstream_is_down_the_worker_takes_no_new_group(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 5, n_samples=1)
+    proxy = _DownThenUp(FakeProxy(reply=solve), down=10**6)
+    w = down_worker(r, keys, proxy, concurrency=1, upstream_backoff_max_s=0.1)
+    asyncio.run(run_until(w, lambda: w.counts["held"] >= 6))
+    groups = {sid.split("-a")[0] for sid in proxy.attempts_seen}
+    assert groups == {"g0"}  # only the held group probes the upstream; g1..g4 are never started
+    delivered = r.xpending(keys.prompts, GROUP_ROLLOUT)["pending"]
+    assert delivered == 1 and rollouts(r, keys) == [] and r.xlen(keys.dead) == 0
+    # ... and when the upstream is back, everything goes through, no attempt spent.
+    proxy.down = 0
+    w2 = down_worker(r, keys, proxy, concurrency=2)
+    asyncio.run(run_until(w2, lambda: r.xlen(keys.rollouts) >= 5))
+    assert sorted((g.group_id, g.attempt, g.status) for g in rollouts(r, keys)) == [
+        (f"g{i}", 0, "completed") for i in range(5)]
+
+
+def test_burst_mode_leaves_an_upstream_outage_pending_and_ends(r: redis.Redis, keys: Keys) -> None:
+    enqueue(r, keys, 2)
+    w = down_worker(r, keys, _DownThenUp(FakeProxy(reply=solve), down=100))
     assert w.run(burst=True) == 0
-    assert r.xlen(keys.dead) == 1 and w.counts["held"] == 0
+    assert r.xlen(keys.dead) == 0 and rollouts(r, keys) == [] and w.counts["held"] == 1
+    assert pending(r, keys) == 1 and r.xlen(keys.prompts) == 2  # g1 never taken, g0 held: no attempt spent

@@ -1,4 +1,4 @@
-"""Pure cores of the rollout worker: retry policy, staleness classification, group assembly."""
+"""Pure cores of the rollout worker: failure classification, the upstream gate, group assembly."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ from typing import Any
 
 import pytest
 
-from services.rollout_worker.assembly import TrajectoryResult, completed_group, finalize_samples, session_id
-from services.rollout_worker.errors import STALENESS_EXCEEDED, TrajectoryFailed
-from services.rollout_worker.retry import (
-    REJECTED_GROUPS,
-    REJECTED_SAMPLES,
-    decide,
-    failed_rollout_group,
-    staleness_rejection,
+from services.rollout_worker.assembly import (
+    TrajectoryResult,
+    completed_group,
+    failed_group,
+    finalize_samples,
+    session_id,
 )
+from services.rollout_worker.errors import TrajectoryFailed
+from services.rollout_worker.upstream import UpstreamGate
 from shared.codec import decode_entry, encode_entry
+from shared.codes import STALENESS_EXCEEDED
 from shared.schemas import PromptGroup, RolloutGroup
 
 
@@ -33,63 +34,45 @@ def raw_sample(sid: str, index: int, n: int = 3, **kw: Any) -> dict[str, Any]:
             "end_version": "3", "start_version": "3", "reward": 0.7, **kw}
 
 
-def test_failure_below_budget_is_reenqueued_as_next_attempt_with_history() -> None:
-    g = group(attempt=0, meta={"epoch": 2})
-    d = decide(g, "trajectory_timeout: slow", max_retries=2, now=50.0)
-    assert d.action == "reenqueue" and d.handled == "reenqueued" and d.reason is None
-    nxt = d.next_group
-    assert nxt is not None and nxt.attempt == 1 and nxt.enqueued_at == 50.0 and nxt.group_id == "g1"
-    assert nxt.meta == {"epoch": 2, "retry_history": [{"attempt": 0, "error": "trajectory_timeout: slow"}]}
-    assert g.attempt == 0 and "retry_history" not in g.meta  # the input is not mutated
+@pytest.mark.parametrize("code", ["upstream_unavailable", "proxy_unreachable", "proxy_timeout", "proxy_http_502",
+                                  "proxy_http_503", "proxy_http_504"])
+def test_upstream_unavailable_is_infrastructure(code: str) -> None:
+    assert TrajectoryFailed(code).infrastructure
 
 
-def test_history_accumulates_across_attempts() -> None:
-    g = decide(group(), "e0", 3, 1.0).next_group
-    assert g is not None
-    g2 = decide(g, "e1", 3, 2.0).next_group
-    assert g2 is not None and g2.attempt == 2
-    assert g2.meta["retry_history"] == [{"attempt": 0, "error": "e0"}, {"attempt": 1, "error": "e1"}]
+@pytest.mark.parametrize("code", [STALENESS_EXCEEDED, "trajectory_version_changed", "generation_preempted",
+                                  "trajectory_timeout", "agent_exit", "invalid_prompt_group", "internal_error",
+                                  "proxy_http_500", "unknown_session", "upstream_error"])
+def test_the_groups_own_failures_are_not_infrastructure(code: str) -> None:
+    assert not TrajectoryFailed(code).infrastructure
 
 
-def test_last_attempt_is_dead_lettered_retries_exhausted() -> None:
-    d = decide(group(attempt=2), "boom", max_retries=2, now=1.0)
-    assert (d.action, d.reason, d.next_group, d.handled) == ("dead_letter", "retries_exhausted", None, "dead_lettered")
-
-
-def test_zero_retries_dead_letters_the_first_failure() -> None:
-    assert decide(group(attempt=0), "boom", max_retries=0, now=1.0).action == "dead_letter"
-
-
-def test_non_retryable_failure_is_dead_lettered_at_once() -> None:
-    d = decide(group(attempt=0), "invalid_prompt_group: task", max_retries=5, now=1.0, retryable=False)
-    assert (d.action, d.reason) == ("dead_letter", "invalid_prompt_group")
-
-
-def test_error_text_is_truncated_on_the_wire() -> None:
-    d = decide(group(), "x" * 5000, 2, 1.0)
-    assert len(d.error) == 1000 and d.next_group is not None
-    assert len(d.next_group.meta["retry_history"][0]["error"]) == 1000
-
-
-def test_staleness_rejection_counts_the_whole_group_once() -> None:
-    assert staleness_rejection(STALENESS_EXCEEDED, 8) == {REJECTED_GROUPS: 1, REJECTED_SAMPLES: 8}
-
-
-@pytest.mark.parametrize("code", ["trajectory_version_changed", "generation_preempted", "trajectory_timeout",
-                                  "agent_exit", "upstream_unavailable", ""])
-def test_other_failures_are_not_staleness_rejections(code: str) -> None:
-    assert staleness_rejection(code, 8) == {}
-
-
-def test_failed_rollout_group_carries_handling_and_the_prompt_group() -> None:
+def test_failed_group_carries_code_retryable_and_the_prompt_group() -> None:
     g = group(attempt=1)
-    d = decide(g, "generation_preempted: x", 2, 9.0)
-    rg = failed_rollout_group(g, d, "w1", 5.0, 6.0)
-    assert (rg.status, rg.error, rg.samples, rg.attempt) == ("failed", "generation_preempted: x", [], 1)
-    assert rg.meta["handled"] == "reenqueued" and rg.meta["worker"] == "w1"
-    assert PromptGroup.model_validate(rg.meta["prompt_group"]) == g  # the collector can rebuild it
+    rg = failed_group(g, TrajectoryFailed("generation_preempted", "x"), "w1", 5.0, 6.0)
+    assert (rg.status, rg.error, rg.error_code, rg.retryable) == ("failed", "generation_preempted: x",
+                                                                  "generation_preempted", True)
+    assert (rg.samples, rg.attempt, rg.meta["worker"], rg.prompt_group) == ([], 1, "w1", g)
     back = decode_entry(encode_entry(rg), RolloutGroup)
-    assert back.meta["prompt_group"]["group_id"] == "g1" and back.error == rg.error
+    assert back.prompt_group == g and back.error == rg.error and back.error_code == rg.error_code
+    bad = failed_group(g, TrajectoryFailed("invalid_prompt_group", "y" * 5000, retryable=False), "w1", 5.0, 6.0)
+    assert not bad.retryable and len(bad.error or "") == 1000
+
+
+def test_the_gate_closed_lets_every_free_slot_start() -> None:
+    gate = UpstreamGate(first_s=1.0, max_s=4.0, clock=lambda: 0.0)
+    assert not gate.is_down and gate.slots(3, 1) == 3
+
+
+def test_the_gate_opens_on_failure_with_capped_doubling_then_probes_one_group() -> None:
+    now = [0.0]
+    gate = UpstreamGate(first_s=1.0, max_s=4.0, clock=lambda: now[0])
+    assert [gate.down() for _ in range(4)] == [1.0, 2.0, 4.0, 4.0]
+    assert gate.is_down and gate.slots(3, 0) == 0  # open: nothing starts, new or held
+    now[0] = 4.5  # past the last delay
+    assert gate.slots(3, 0) == 1 and gate.slots(3, 1) == 0  # half-open: one probe at a time
+    gate.up()
+    assert not gate.is_down and gate.slots(3, 0) == 3 and gate.down() == 1.0  # backoff reset
 
 
 def test_session_ids_name_group_attempt_and_index_and_are_unique() -> None:
@@ -147,4 +130,4 @@ def test_completed_group_meta_and_wire_round_trip() -> None:
     assert (m["rollout_started_at"], m["rollout_finished_at"]) == (10.0, 12.5)
     back = decode_entry(encode_entry(rg), RolloutGroup)
     assert back.reward_mean == pytest.approx(0.65) and back.end_versions == ["3", "3"]
-    assert PromptGroup.model_validate(back.meta["prompt_group"]) == g
+    assert back.prompt_group == g

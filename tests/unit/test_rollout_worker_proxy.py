@@ -10,9 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from services.rollout_worker.errors import STALENESS_EXCEEDED, TrajectoryFailed
+from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient
 from services.rollout_worker.proxy_client import HttpProxyClient, ProxyClient, proxy_error
+from shared.codes import STALENESS_EXCEEDED
 
 MSGS = [{"role": "user", "content": "reverse 12"}]
 
@@ -171,6 +172,9 @@ def test_malformed_completion_is_a_failure() -> None:
     (502, "Bad Gateway", "proxy_http_502"),  # a 502 from something else in between
     (503, {"detail": "upstream_unavailable"}, "upstream_unavailable"),
     (503, {"detail": {"error": "over_capacity"}}, "over_capacity"),
+    # an engine answering 503 while it restarts: the upstream is unavailable, not the trajectory's fault
+    (502, {"detail": {"error": "upstream_error", "engine_status": 503}}, "upstream_unavailable"),
+    (502, {"detail": {"error": "upstream_error", "engine_status": 400}}, "upstream_error"),
     (404, {"detail": "no such session"}, "unknown_session"),
     (422, {"detail": [{"loc": ["body"]}]}, "proxy_http_422"),
 ])

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from services.rollout_worker.agents import agent_env, check_agent_command, parse_agent_output
-from services.rollout_worker.errors import STALENESS_EXCEEDED
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient, serve
 from services.rollout_worker.proxy_client import HttpProxyClient, ProxyClient
 from services.rollout_worker.runner import GroupFailed, GroupRunner
+from shared.codes import STALENESS_EXCEEDED
 from shared.config import RolloutConfig
 from shared.errors import ConfigError
 from shared.schemas import PromptGroup, RolloutGroup

@@ -1,0 +1,48 @@
+"""Every machine-readable code that crosses a process boundary, each spelled once.
+
+Three families:
+
+* failure codes of a rollout attempt (``RolloutGroup.error_code``): the proxy's own ``detail.error``
+  values (its 502s and 503s) and what the rollout worker adds for failures it sees itself;
+* dead-letter reasons (``DeadLetter.reason``);
+* the classification the retry budget depends on: a failure in ``INFRASTRUCTURE`` says the
+  *upstream* (proxy or engine) was unavailable, not that the group did anything wrong, so it never
+  spends one of the group's attempts (the worker keeps the entry pending and backs off).
+"""
+
+from __future__ import annotations
+
+# --- failure codes of an attempt (proxy ``detail.error`` values first) -----------------------------
+STALENESS_EXCEEDED = "partial_rollout_staleness_exceeded"  # 502: the session would span too many versions
+TRAJECTORY_VERSION_CHANGED = "trajectory_version_changed"  # 502: non-partial turn on a new version
+GENERATION_PREEMPTED = "generation_preempted"  # 502: non-partial generation interrupted by a weight update
+UPSTREAM_ERROR = "upstream_error"  # 502: an engine answered with an error
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"  # 503: no engine reachable (refused, timed out, restarting)
+OVER_CAPACITY = "over_capacity"  # 503: backpressure, waited out by the client (never a failure)
+PROXY_UNREACHABLE = "proxy_unreachable"  # the proxy refused the connection (down or restarting)
+PROXY_TIMEOUT = "proxy_timeout"  # no answer from the proxy in time
+UNKNOWN_SESSION = "unknown_session"  # 404: the proxy lost the session (e.g. it restarted)
+TRAJECTORY_TIMEOUT = "trajectory_timeout"  # the trajectory ran past rollout.trajectory_timeout_s
+INVALID_PROMPT_GROUP = "invalid_prompt_group"  # unknown task / refused reference: no retry can fix it
+INTERNAL_ERROR = "internal_error"  # a bug in a task plugin or the runner
+
+# Proxy 502 codes that a trajectory fails with as they are.
+PROXY_502_CODES = frozenset({STALENESS_EXCEEDED, TRAJECTORY_VERSION_CHANGED, GENERATION_PREEMPTED})
+
+# Upstream unavailable: retried with capped backoff, never spending an attempt. A proxy answering
+# 502/503/504 from its front (no ``detail.error``) is an unavailable upstream too.
+INFRASTRUCTURE = frozenset({UPSTREAM_UNAVAILABLE, PROXY_UNREACHABLE, PROXY_TIMEOUT,
+                            "proxy_http_502", "proxy_http_503", "proxy_http_504"})
+
+# --- dead-letter reasons --------------------------------------------------------------------------
+MALFORMED = "malformed"  # the entry does not decode (original bytes kept)
+UNSUPPORTED_SCHEMA = "unsupported_schema"  # a v1 entry that v2 cannot take over (docs/streams.md)
+RETRIES_EXHAUSTED = "retries_exhausted"  # failed on its last attempt
+STALE_RETRIES_EXHAUSTED = "stale_retries_exhausted"  # dropped by the window on its last attempt
+MISSING_PROMPT_GROUP = "missing_prompt_group"  # a rollout group without the prompt to re-enqueue
+# INVALID_PROMPT_GROUP (above) doubles as the reason of a failure no retry can fix.
+
+
+def is_infrastructure(code: str | None) -> bool:
+    """True iff a failure with ``code`` means the upstream was unavailable (no attempt is spent)."""
+    return code in INFRASTRUCTURE
