@@ -82,7 +82,9 @@ class ProxyConfig(Section):
     engines: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
     partial_rollout: bool = True
     max_partial_rollout_preempts: int | None = Field(default=None, ge=0, le=1000)
-    api_key: SecretStr | None = None  # bearer token; None = no auth (dev only)
+    api_key: SecretStr | None = None  # agent-scope bearer token (rollout workers); None + no operator_key = no auth
+    operator_key: SecretStr | None = None  # operator-scope token: pause/resume/state/sessions/metrics (docs/security.md)
+    max_prompt_bytes: int = Field(default=256 << 10, ge=1024, le=1 << 30)  # message text, refused before tokenizing
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     max_tokens_limit: int = Field(default=4096, ge=1, le=1 << 20)
     max_messages: int = Field(default=256, ge=1, le=100_000)
@@ -99,6 +101,9 @@ class ProxyConfig(Section):
     max_sessions: int = Field(default=100_000, ge=1, le=10_000_000)  # live sessions; beyond -> 503 over_capacity
     max_turns_per_session: int = Field(default=1000, ge=1, le=1_000_000)  # beyond -> 409 session_conflict
     # Engines serve the published weights (docs/proxy.md "Engines at the published version"):
+    # How the model writes tool calls (SGLang's --tool-call-parser): "hermes" (= "qwen25", "qwen3": the
+    # <tool_call>{json}</tool_call> format of Qwen models); None = never parse (tools are still rendered).
+    tool_call_parser: Literal["hermes", "qwen25", "qwen3"] | None = "hermes"
     engine_check_s: float = Field(default=2.0, gt=0, le=300)  # health check of every engine's loaded version
     engine_sync_wait_s: float = Field(default=10.0, ge=0, le=3600)  # no engine caught up this long -> 503
 

@@ -24,12 +24,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.proxy import openai_format as fmt
+from services.proxy.chat import chat_plan
 from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound
 from services.proxy.guards import Guard
 from services.proxy.runtime import ProxyRuntime
-from services.proxy.schemas import ChatRequest, GenerateRequest, PauseRequest, ResumeRequest, parse
+from services.proxy.schemas import (
+    CHAT_UNSUPPORTED,
+    ChatRequest,
+    GenerateRequest,
+    PauseRequest,
+    ResumeRequest,
+    parse,
+    refuse_unsupported,
+)
 from services.proxy.sessions import Session, check_session_id
-from shared.modeling.loading import chat_input_ids
+from services.proxy.turns import LiveTurn, TurnPlan, run_turn
 
 log = logging.getLogger(__name__)
 
@@ -93,37 +102,42 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         err = InvalidRequest(first["field"], first["message"], errors=errs[:20])
         return JSONResponse(err.detail_body(), status_code=422)
 
+    def token_text(ids: list[int]) -> str:
+        return rt.decode(ids, skip_special_tokens=False)
+
     async def chat(request: Request, path_sid: str | None) -> Response:
-        req = parse(ChatRequest, await _json_body(request), rt.limits)
+        raw = await _json_body(request)
+        refuse_unsupported(raw, CHAT_UNSUPPORTED)
+        req = parse(ChatRequest, raw, rt.limits)
         sid = _session_id(path_sid, request, req.session_id)
         partial = _partial(request, rt.cfg.partial_rollout)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        input_ids = chat_input_ids(rt.tokenizer, messages)
-        if len(input_ids) > rt.cfg.max_prompt_tokens:
-            raise InvalidRequest("messages", f"prompt is {len(input_ids)} tokens; "
-                                             f"proxy.max_prompt_tokens={rt.cfg.max_prompt_tokens}")
-        sampling = rt.sampling(req.temperature, req.top_p, req.top_k, req.seed, None)
-        gen, seg = await rt.turn(sid, partial, input_ids, req.new_tokens(rt.cfg.max_tokens_limit), sampling)
-        text = rt.decode(gen.output_ids, skip_special_tokens=True)
-        body = fmt.chat_completion(gen, text, len(input_ids), req.model or rt.model_name, sid, seg)
+        plan = chat_plan(req, rt.cfg.max_tokens_limit)
+        top = plan.top_logprobs if req.logprobs else None
         headers = {"X-Session-Id": sid}
-        if req.stream:
-            include = req.stream_options.include_usage if req.stream_options else False
-            return StreamingResponse(fmt.chat_stream(body, include), media_type="text/event-stream", headers=headers)
-        return JSONResponse(body, headers=headers)
+        if not req.stream:
+            res = await run_turn(rt, sid, partial, plan)
+            return JSONResponse(fmt.chat_completion(res, rt.model_name, top, req.return_token_ids, token_text),
+                                headers=headers)
+        live = LiveTurn(rt, sid, partial, plan)
+        await live.started()
+        include = req.stream_options.include_usage if req.stream_options else False
+        return StreamingResponse(fmt.chat_stream(live, rt.model_name, include, top, req.return_token_ids, token_text),
+                                 media_type="text/event-stream", headers=headers)
 
     async def generate(request: Request, path_sid: str | None) -> Response:
         req = parse(GenerateRequest, await _json_body(request), rt.limits)
         sid = _session_id(path_sid, request, req.session_id)
         sp = req.sampling_params
-        stops = sp.stop_token_ids if sp.stop_token_ids is not None else ([] if sp.ignore_eos else None)
-        sampling = rt.sampling(sp.temperature, sp.top_p, sp.top_k, sp.sampling_seed, stops)
-        if sp.ignore_eos:
-            sampling["ignore_eos"] = True
-        gen, seg = await rt.turn(sid, _partial(request, rt.cfg.partial_rollout), req.input_ids,
-                                 sp.max_new_tokens or rt.cfg.max_tokens_limit, sampling)
-        text = rt.decode(gen.output_ids, skip_special_tokens=False)
-        return JSONResponse(fmt.token_response(gen, text, len(req.input_ids), sid, seg), headers={"X-Session-Id": sid})
+        ids = req.input_ids if req.input_ids is not None else [
+            int(i) for i in rt.tokenizer.encode(req.text or "", add_special_tokens=False)]
+        plan = TurnPlan(messages=[], max_new_tokens=sp.max_new_tokens or rt.cfg.max_tokens_limit,
+                        stops=sp.stop_strings(), temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                        seed=sp.sampling_seed, engine_params={"ignore_eos": True} if sp.ignore_eos else {},
+                        stop_token_ids=sp.stop_token_ids, skip_special_tokens=sp.skip_special_tokens,
+                        no_stop_trim=sp.no_stop_trim)
+        res = await run_turn(rt, sid, _partial(request, rt.cfg.partial_rollout), plan, prompt_ids=ids)
+        body = fmt.token_response(res, res.output.final_text, req.rid, req.return_logprob)
+        return JSONResponse(body, headers={"X-Session-Id": sid})
 
     async def chat_route(request: Request) -> Response:
         return await chat(request, request.path_params.get("session_id"))

@@ -33,9 +33,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from services.proxy.engine_client import Chunk, EngineClient
 from services.proxy.errors import (
@@ -71,6 +71,11 @@ class Generation:
     versions: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
     chunks: list[dict[str, Any]] = field(default_factory=list)  # per rid: tokens, version, finish, preempted
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output id ([] if not asked)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (a stop string cut the rest off)."""
+        del self.output_ids[n:], self.logprobs[n:], self.versions[n:], self.top_logprobs[n:]
 
     @property
     def preempts(self) -> int:
@@ -84,6 +89,23 @@ class _Active:
     url: str
     done: asyncio.Event = field(default_factory=asyncio.Event)
     abort_requested: bool = False
+    stop_requested: bool = False  # the sink matched a stop string: aborted by us, not a preemption
+    finished: bool = False  # the engine's answer came back whole
+    streamed_versions: list[str] = field(default_factory=list)  # distinct versions of streamed tokens so far
+
+
+def _bind(feed: Callable[[Chunk, _Active], None], active: _Active) -> Callable[[Chunk], None]:
+    return lambda chunk: feed(chunk, active)
+
+
+class TokenSink(Protocol):
+    """Who receives a generation's tokens as they are produced (``textout.TurnOutput``)."""
+
+    stream: bool  # ask the engines to stream, so tokens arrive as they are produced
+    keep: int | None  # after a stop: how many tokens the response keeps
+
+    def feed(self, ids: list[int], logprobs: list[float],
+             tops: list[list[tuple[int, float]]] | None) -> bool: ...  # True: stop generating
 
 
 class GenerationController:
@@ -104,6 +126,12 @@ class GenerationController:
         self._cond = asyncio.Condition()
         self._active: dict[str, _Active] = {}
         self._suspended = 0
+        self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget aborts (kept referenced)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # --- pause state ---------------------------------------------------------------------
 
@@ -284,9 +312,28 @@ class GenerationController:
     # --- generation ----------------------------------------------------------------------
 
     async def generate(self, session_id: str, earlier: list[str], input_ids: list[int], max_new_tokens: int,
-                       sampling: dict[str, Any], partial: bool) -> Generation:
-        """Run one request to completion across preemptions; raises a ProxyError when refused."""
+                       sampling: dict[str, Any], partial: bool, sink: TokenSink | None = None,
+                       request_fields: dict[str, Any] | None = None) -> Generation:
+        """Run one request to completion across preemptions; raises a ProxyError when refused.
+
+        ``sink`` sees every token as the engines produce it (streamed when ``sink.stream``),
+        across preemptions, only after the version checks passed; once it asks to stop, the
+        engine request is aborted and the generation ends ``stop`` with ``sink.keep`` tokens.
+        ``request_fields`` are extra top-level ``/generate`` fields (``top_logprobs_num``)."""
         gen = Generation()
+        streamed = sink is not None and sink.stream
+
+        def feed(delta: Chunk, active: _Active) -> None:  # one streamed event, before it reaches anyone
+            target = self.target
+            if target is not None and (v := real_version(delta.weight_version or "")) and version_newer(target, v):
+                return  # stale engine: its tokens are discarded with the chunk (see _dispatch)
+            self.check(session_id, [*earlier, *gen.versions, *active.streamed_versions], delta.versions, partial)
+            active.streamed_versions += dict.fromkeys(delta.versions)
+            if sink is not None and not active.stop_requested and sink.feed(delta.output_ids, delta.logprobs,
+                                                                           delta.top_logprobs or None):
+                active.stop_requested = True  # a stop string matched: the rest is not wanted
+                self._spawn(self.client.abort(active.url, active.rid))
+
         while True:
             if not self.runnable(session_id):
                 self._suspended += bool(gen.chunks)
@@ -303,17 +350,26 @@ class GenerationController:
                 self.metrics.resumes.inc()
             remaining = max_new_tokens - len(gen.output_ids)
             body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
-                    "sampling_params": {**sampling, "max_new_tokens": remaining}}
+                    "sampling_params": {**sampling, "max_new_tokens": remaining}, **(request_fields or {})}
             body["continue_across_weight_updates"] = True  # engine opt-in: runs across a swap, versions per token
-            chunk = await self._dispatch(session_id, body)
+            if streamed:
+                body["stream"] = True
+            chunk, stopped = await self._dispatch(session_id, body, feed if streamed else None)
             if chunk is None:
                 continue  # answered on weights older than the published ones: discarded, sent again
             self.check(session_id, [*earlier, *gen.versions], chunk.versions, partial)
+            if sink is not None and not streamed:
+                stopped = sink.feed(chunk.output_ids, chunk.logprobs, chunk.top_logprobs or None)
             gen.output_ids += chunk.output_ids
             gen.logprobs += chunk.logprobs
             gen.versions += chunk.versions
+            gen.top_logprobs += chunk.top_logprobs or [[] for _ in chunk.output_ids]
             gen.chunks.append({"num_output_tokens": len(chunk.output_ids), "version": chunk.weight_version,
-                               "finish_reason": chunk.finish_type, "preempted": chunk.aborted})
+                               "finish_reason": chunk.finish_type, "preempted": chunk.aborted and not stopped})
+            if stopped and sink is not None and sink.keep is not None:  # a stop string: end at its cut
+                gen.truncate(sink.keep)
+                gen.finish_reason = "stop"
+                return gen
             if not chunk.aborted:
                 gen.finish_reason = chunk.finish_type
                 return gen
@@ -326,35 +382,41 @@ class GenerationController:
                 return gen
             log.info("preempted session_id=%s tokens_so_far=%d; will resume", session_id, len(gen.output_ids))
 
-    async def _dispatch(self, session_id: str, body: dict[str, Any]) -> Chunk | None:
+    async def _dispatch(self, session_id: str, body: dict[str, Any],
+                        feed: Callable[[Chunk, _Active], None] | None = None) -> tuple[Chunk | None, bool]:
         """Send one chunk under a fresh rid, failing over engines that refuse the connection.
 
-        None: the engine answered on weights older than ``target`` (tokens discarded; it is now
-        held back and caught up) -- the caller sends the chunk again."""
+        Returns the chunk and whether ``feed`` (streamed events) asked to stop. A None chunk: the
+        engine answered on weights older than ``target`` (tokens discarded; it is now held back
+        and caught up) -- the caller sends the chunk again."""
         last: UpstreamUnavailable | None = None
         for url in await self._wait_routable(session_id):
             rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
             active = self._active[rid] = _Active(rid, session_id, url)
             self.metrics.active.set(len(self._active))
+            on_delta = None if feed is None else _bind(feed, active)
             try:
-                chunk = await self.client.generate(url, {**body, "rid": rid})
+                chunk = await self.client.generate(url, {**body, "rid": rid}, on_delta)
+                active.finished = True
                 if not self.learn(url, chunk.weight_version):
                     self.metrics.stale_chunks.inc()
                     log.warning("session_id=%s rid=%s engine=%s answered on version=%s < published %s: "
                                 "%d tokens discarded, chunk sent again", session_id, rid, url,
                                 chunk.weight_version, self.target, len(chunk.output_ids))
-                    return None
-                return chunk
+                    return None, False
+                return chunk, active.stop_requested
             except UpstreamUnavailable as exc:
                 if active.abort_requested and exc.extra.get("connected"):
                     # We aborted it and the connection broke: resume from what we have.
-                    return Chunk([], [], [], "abort", None, True)
+                    return Chunk([], [], [], "abort", None, True), False
                 if exc.extra.get("connected"):
                     raise
                 last = exc
                 self.mark_behind(url, "refused the connection (down or restarting)")
                 log.warning("engine unreachable session_id=%s engine=%s; trying next", session_id, url)
             finally:
+                if not active.finished and feed is not None:  # refused mid-stream or cancelled: free the engine
+                    self._spawn(self.client.abort(url, rid))
                 del self._active[rid]
                 active.done.set()
                 self.metrics.active.set(len(self._active))
@@ -362,5 +424,5 @@ class GenerationController:
         if self.target is not None and not self._routable(session_id):
             # Every engine refused and is held back now: the caller sends the chunk again, which waits
             # (at most engine_sync_wait_s) for one to come back -- a short engine restart is ridden out.
-            return None
+            return None, False
         raise UpstreamUnavailable("no engine reachable", engines=len(self.client.engines)) from None

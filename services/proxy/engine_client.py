@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -40,6 +41,23 @@ class Chunk:
     weight_version: str | None  # the response's version (last token's), None if absent
     aborted: bool  # the engine says the request was aborted (partial output)
     meta: dict[str, Any] = field(default_factory=dict)  # prompt_tokens, completion_tokens, ...
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output id ([] if not asked)
+
+    def tail(self, n: int) -> Chunk:
+        """The same response without its first ``n`` tokens (a stream event's new part)."""
+        return Chunk(self.output_ids[n:], self.logprobs[n:], self.versions[n:], self.finish_type,
+                     self.weight_version, self.aborted, self.meta, self.top_logprobs[n:])
+
+
+def _top_entries(meta: dict[str, Any], n: int) -> list[list[tuple[int, float]]]:
+    """SGLang's ``output_top_logprobs`` (per token: ``[[logprob, token_id, text], ...]``)."""
+    raw = meta.get("output_top_logprobs")
+    if not isinstance(raw, list) or len(raw) != n:
+        return []
+    try:
+        return [[(int(e[1]), float(e[0])) for e in (pos or [])] for pos in raw]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise UpstreamError(f"engine response output_top_logprobs malformed: {exc}") from None
 
 
 def _finish_type(meta: dict[str, Any], body: dict[str, Any]) -> str:
@@ -83,7 +101,31 @@ def parse_generate(body: Any) -> Chunk:
         versions = [weight_version or "unknown"] * len(output_ids)
     finish = _finish_type(meta, body)
     chunk_meta = {k: meta[k] for k in ("prompt_tokens", "completion_tokens", "id") if k in meta}
-    return Chunk(output_ids, logprobs, versions, finish, weight_version, finish in ABORT_REASONS, chunk_meta)
+    return Chunk(output_ids, logprobs, versions, finish, weight_version, finish in ABORT_REASONS, chunk_meta,
+                 _top_entries(meta, len(output_ids)))
+
+
+def sse_events(buffer: bytearray, piece: bytes) -> list[bytes]:
+    """Append ``piece`` to ``buffer``; return the ``data:`` payloads of the events it completed."""
+    buffer += piece.replace(b"\r\n", b"\n")
+    out: list[bytes] = []
+    while (end := buffer.find(b"\n\n")) >= 0:
+        event, buffer[:] = bytes(buffer[:end]), buffer[end + 2:]
+        data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+        if data:
+            out.append(b"\n".join(data))
+    return out
+
+
+def stream_delta(chunk: Chunk, seen: list[int]) -> Chunk:
+    """The new tokens of one streamed ``/generate`` event, given the ids ``seen`` so far.
+
+    SGLang streams cumulative ``output_ids`` by default and disjoint pieces with
+    ``--incremental-streaming-output``; ``completion_tokens`` (the running total) tells which."""
+    total = chunk.meta.get("completion_tokens")
+    n = len(chunk.output_ids)
+    cumulative = n == total if isinstance(total, int) and seen else chunk.output_ids[:len(seen)] == seen
+    return chunk.tail(len(seen)) if cumulative and n >= len(seen) else chunk
 
 
 def redact(url: str) -> str:
@@ -110,7 +152,9 @@ class EngineClient:
                  control_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
                  transport: Transport | None = None) -> None:
         self.engines = [e.rstrip("/") for e in engines]
-        self._names = {e: redact(e) for e in self.engines}
+        # Clients see ``engine-<i>`` (its index in proxy.engines), never an engine URL: URLs are internal topology.
+        self._names = {e: f"engine-{i}" for i, e in enumerate(self.engines)}
+        self._no_stream: set[str] = set()  # engines that refused ``stream: true`` (served whole instead)
         self._request_timeout = request_timeout_s
         self._control_timeout, self._abort_timeout = control_timeout_s, abort_timeout_s
         # Tests pass an HttpxTransport routed to in-process ASGI fakes.
@@ -120,7 +164,7 @@ class EngineClient:
         await self._http.close()
 
     def _name(self, url: str) -> str:
-        return self._names.get(url) or redact(url)
+        return self._names.get(url) or "engine-?"
 
     def route(self, session_id: str) -> list[str]:
         return rank_engines(self.engines, session_id) if len(self.engines) > 1 else list(self.engines)
@@ -138,8 +182,27 @@ class EngineClient:
         except ValueError:
             return status, raw.decode("utf-8", "replace")
 
-    async def generate(self, url: str, body: dict[str, Any]) -> Chunk:
-        """POST ``{url}/generate``; ``connected=False`` on the error means nothing was sent."""
+    async def generate(self, url: str, body: dict[str, Any],
+                       on_delta: Callable[[Chunk], None] | None = None) -> Chunk:
+        """POST ``{url}/generate``; ``connected=False`` on the error means nothing was sent.
+
+        With ``body["stream"]`` the engine's SSE events are read as they come: ``on_delta`` gets
+        each event's new tokens, and the returned chunk holds them all (the last event's finish)."""
+        if body.get("stream"):
+            if url not in self._no_stream:
+                try:
+                    return await self._generate_stream(url, body, on_delta or (lambda c: None))
+                except UpstreamError as exc:
+                    if exc.extra.get("engine_status") not in (400, 422) or "stream" not in exc.extra["engine_detail"]:
+                        raise
+                    # An engine without SGLang's streaming: nothing ran; ask it whole from now on.
+                    log.warning("engine %s does not stream /generate; using whole responses", self._name(url))
+                    self._no_stream.add(url)
+            body = {k: v for k, v in body.items() if k != "stream"}
+            chunk = await self.generate(url, body)
+            if on_delta is not None:
+                on_delta(chunk)
+            return chunk
         status, data = await self._call("POST", url, "/generate", body, self._request_timeout)
         if status >= 400:
             raise UpstreamError(f"engine {self._name(url)} answered {status}", engine_status=status,
@@ -147,6 +210,43 @@ class EngineClient:
         if not isinstance(data, dict):
             raise UpstreamError(f"engine {self._name(url)} returned non-JSON")
         return parse_generate(data)
+
+    async def _generate_stream(self, url: str, body: dict[str, Any], on_delta: Callable[[Chunk], None]) -> Chunk:
+        buffer, error = bytearray(), bytearray()
+        total: Chunk | None = None
+        error_status = 0
+        try:
+            async for status, piece in self._http.stream("POST", f"{url}/generate", body, self._request_timeout):
+                if status >= 400:
+                    error_status, error = status, error + piece[:4096]
+                    continue
+                for data in sse_events(buffer, piece):
+                    if data == b"[DONE]":
+                        continue
+                    try:
+                        event = parse_generate(json.loads(data))
+                    except ValueError:
+                        raise UpstreamError(f"engine {self._name(url)} streamed a non-JSON event") from None
+                    delta = stream_delta(event, total.output_ids if total else [])
+                    total = delta if total is None else Chunk(
+                        total.output_ids + delta.output_ids, total.logprobs + delta.logprobs,
+                        total.versions + delta.versions, delta.finish_type, delta.weight_version or total.weight_version,
+                        delta.aborted, delta.meta, total.top_logprobs + delta.top_logprobs)
+                    on_delta(delta)
+        except ConnectFailed as exc:
+            raise UpstreamUnavailable(f"engine {self._name(url)} unreachable ({exc})", connected=False) from None
+        except RequestFailed as exc:
+            raise UpstreamUnavailable(f"engine {self._name(url)} /generate failed ({exc})", connected=True) from None
+        if error:
+            raise UpstreamError(f"engine {self._name(url)} answered {error_status}", engine_status=error_status,
+                                engine_detail=_short(error.decode("utf-8", "replace")))
+        if total is None:  # an engine that ignored ``stream`` and answered one JSON body
+            try:
+                total = parse_generate(json.loads(bytes(buffer)))
+            except ValueError:
+                raise UpstreamError(f"engine {self._name(url)} streamed no event") from None
+            on_delta(total)
+        return total
 
     async def abort(self, url: str, rid: str) -> bool:
         """Ask ``url`` to abort ``rid``; True on a 2xx (the rid may already have finished)."""

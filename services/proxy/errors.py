@@ -1,8 +1,11 @@
 """Named proxy errors, each carrying its HTTP status and the JSON ``detail`` the client receives.
 
-Every error a route can raise is a ``ProxyError``; the app turns it into
-``{"detail": {"error": <code>, ...}}`` with ``status``. Bodies name the offending field or id and
-never contain secrets, stack traces or engine URLs with credentials.
+Every error a route can raise is a ``ProxyError``; the app turns it into one body that two kinds
+of clients read (``error_body``): OpenAI's ``{"error": {"message", "type", "param", "code"}}`` --
+what the ``openai`` SDK shows -- with the error's extra fields (``versions``, ``version_span``,
+``max_preempts``, ``session_id``...) kept inside that object, and the original's
+``{"detail": {"error": <code>, "message", ...}}`` beside it. Bodies name the offending field or id
+and never contain secrets, stack traces or engine URLs with credentials.
 """
 
 from __future__ import annotations
@@ -11,6 +14,22 @@ from typing import Any
 
 from shared import codes
 from shared.errors import DressageError
+
+# OpenAI's error ``type`` by HTTP status (their SDK maps the status to an exception class).
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 429: "rate_limit_error", 502: "upstream_error",
+                 503: "service_unavailable_error"}
+
+
+def error_body(status: int, detail: dict[str, Any]) -> dict[str, Any]:
+    """``{"error": {message, type, param, code, **extra}, "detail": detail}`` for ``detail`` =
+    ``{"error": <code>, "message": ..., "field"?: ..., **extra}``."""
+    extra = {k: v for k, v in detail.items() if k not in ("error", "message", "field")}
+    openai = {"message": str(detail.get("message") or detail.get("error") or ""),
+              "type": _OPENAI_TYPES.get(status, "server_error"), "param": detail.get("field"),
+              "code": detail.get("error"), **extra}
+    return {"error": openai, "detail": detail}
 
 
 class ProxyError(DressageError):
@@ -29,8 +48,8 @@ class ProxyError(DressageError):
         return {"error": self.code, "message": self.message, **self.extra}
 
     def detail_body(self) -> dict[str, Any]:
-        """The whole JSON response body: ``{"detail": {...}}``."""
-        return {"detail": self.detail()}
+        """The whole JSON response body (see ``error_body``)."""
+        return error_body(self.status, self.detail())
 
 
 class InvalidRequest(ProxyError):
@@ -41,6 +60,16 @@ class InvalidRequest(ProxyError):
 
     def __init__(self, field: str, message: str, **extra: Any) -> None:
         super().__init__(f"{field}: {message}", field=field, **extra)
+
+
+class UnsupportedParameter(ProxyError):
+    """A field an upstream API accepts that would change the result and is not implemented (400)."""
+
+    status = 400
+    code = "unsupported_parameter"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}", field=field)
 
 
 class SessionNotFound(ProxyError):

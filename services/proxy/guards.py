@@ -2,9 +2,10 @@
 in-app concurrency limit.
 
 Contract:
-* with ``api_key`` set, every path except ``/health`` needs ``Authorization: Bearer <key>``,
-  compared in constant time (``hmac.compare_digest``); otherwise 401 before the body is read.
-  The key is never logged and never echoed;
+* authentication and scopes are ``services.proxy.auth``'s: with ``api_key`` or ``operator_key`` set,
+  every path except ``/health`` needs a bearer credential of the route's scope (401 none or a wrong
+  one, 403 a valid one of another scope), decided before the body is read; the principal is put in
+  ``auth.PRINCIPAL`` for the routes. Keys are never logged and never echoed;
 * a body larger than ``max_body_bytes`` gets 413 — refused up front from ``Content-Length``, and
   also while streaming (chunked bodies, lying headers) by counting bytes as they are received;
 * an exception no handler took becomes 500 ``{"error": "internal_error"}`` and one log line
@@ -17,7 +18,6 @@ Contract:
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -27,13 +27,12 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.proxy.auth import PRINCIPAL, Authorizer, Refusal
 from services.proxy.errors import OverCapacity, ProxyError
 from services.proxy.metrics import ProxyMetrics
+from shared.edge import printable
 
 log = logging.getLogger(__name__)
-
-OPEN_PATHS = frozenset({"/health"})
-
 
 class BodyTooLarge(ProxyError):
     status = 413
@@ -81,17 +80,10 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: dic
 class Guard:
     """Pure ASGI middleware (no per-request task or body copy, unlike BaseHTTPMiddleware)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ProxyMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ProxyMetrics,
+                 operator_key: str | None = None) -> None:
         self.app, self.max_body, self.metrics = app, max_body_bytes, metrics
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self._expected is None or scope["path"] in OPEN_PATHS:
-            return True
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                return hmac.compare_digest(v, self._expected)
-        return False
+        self.auth = Authorizer(api_key, operator_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,10 +104,13 @@ class Guard:
             self.metrics.request_done(route, status[0], time.perf_counter() - start)
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._authorized(scope):
-            await _send_json(send, 401, {"detail": {"error": "unauthorized", "message": "missing or invalid bearer token"}},
-                             {"WWW-Authenticate": "Bearer"})
+        who = self.auth.decide(scope["path"], scope.get("headers", []))
+        if isinstance(who, Refusal):
+            code = "unauthorized" if who.status == 401 else "forbidden"
+            await _send_json(send, who.status, {"detail": {"error": code, "message": who.message}},
+                             {"WWW-Authenticate": "Bearer"} if who.status == 401 else None)
             return
+        PRINCIPAL.set(who)  # this request's task: routes bind sessions to it (services.proxy.auth)
         declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if declared is not None:
             try:
@@ -152,10 +147,11 @@ class Guard:
         except ClientDisconnect:  # routine (a worker killed or timed out mid-request): one line, counted
             self.metrics.client_disconnects.inc()
             sid = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-session-id"), "")
-            log.info("client disconnected before the answer: %s %s session_id=%s", scope.get("method"),
-                     scope["path"], sid or "-")
+            log.info("client disconnected before the answer: %s %s session_id=%s", printable(scope.get("method")),
+                     printable(scope["path"]), printable(sid or "-"))
         except Exception as exc:  # the last resort: a log line for us, no stack trace for the client
-            log.error("internal error on %s %s: %s", scope.get("method"), scope["path"], type(exc).__name__,
+            log.error("internal error on %s %s: %s", printable(scope.get("method")), printable(scope["path"]),
+                      type(exc).__name__,
                       exc_info=exc)
             if not started:
                 await _send_json(send, 500, {"error": "internal_error"})

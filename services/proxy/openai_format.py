@@ -1,9 +1,12 @@
-"""Response shapes: OpenAI ``chat.completion`` (and its pseudo-stream), SGLang-like token responses.
+"""Response shapes of the OpenAI chat API (whole and streamed) and SGLang-like token responses.
 
-Pure functions of a finished ``Generation``. ``stream: true`` is answered as a *pseudo-stream*:
-the generation runs to completion first (it may be preempted and resumed, and it may be refused
-by a version check — a refusal must stay an HTTP error, which a started stream could not carry),
-then the text is sent as SSE ``chat.completion.chunk`` events and ``data: [DONE]``.
+Pure functions of a finished ``TurnResult`` or of the events of a live one. Streaming is real:
+``chat_stream`` sends a ``chat.completion.chunk`` for each batch of events as the tokens are
+produced (a preemption and its resume inside the turn are invisible: the stream just pauses),
+tool calls as complete ``delta.tool_calls`` entries, then the finish chunk (with ``logprobs``
+and ``token_ids`` of the whole response when asked), the usage chunk when
+``stream_options.include_usage``, and ``[DONE]``. A turn refused after the stream started ends
+with one ``data: {"error": {...}}`` event (OpenAI's in-band error) instead of ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -11,72 +14,123 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.proxy.controller import Generation
+from services.proxy.errors import ProxyError
+from services.proxy.turns import LiveTurn, TurnResult
 from shared.staleness import ordered_real_versions
+from shared.toolcalls import TextPiece, ToolCall
 
-OPENAI_FINISH = {"stop": "stop", "length": "length"}
-STREAM_PIECE_CHARS = 16
+Decode = Callable[[list[int]], str]
 
 
-def _extension(gen: Generation, session_id: str, segment_index: int) -> dict[str, Any]:
-    """The ``dressage`` block: which versions produced this response and how it was stitched."""
+def dressage_block(gen: Generation, session_id: str, segment_index: int) -> dict[str, Any]:
+    """The ``dressage`` extension: which versions produced this response and how it was stitched."""
     return {"session_id": session_id, "segment_index": segment_index,
             "weight_version": gen.versions[-1] if gen.versions else None,
             "versions": ordered_real_versions(dict.fromkeys(gen.versions)), "preempts": gen.preempts,
             "partial_rollout_chunks": gen.chunks}
 
 
-def chat_completion(gen: Generation, text: str, prompt_tokens: int, model: str, session_id: str,
-                    segment_index: int) -> dict[str, Any]:
-    n_out = len(gen.output_ids)
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": OPENAI_FINISH.get(gen.finish_reason, "stop"), "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out},
-        "dressage": _extension(gen, session_id, segment_index),
-    }
+def finish_reason(res: TurnResult) -> str:
+    """OpenAI's finish reason; a preemption is never one (partial rollout resumes it)."""
+    if res.output.tool_calls():
+        return "tool_calls"
+    return "length" if res.gen.finish_reason == "length" else "stop"
 
 
-def chat_stream(completion: dict[str, Any], include_usage: bool) -> Iterator[bytes]:
-    """SSE events of a finished ``chat_completion`` (role, text pieces, finish, [usage], [DONE])."""
-    base = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
-            "model": completion["model"]}
-    choice = completion["choices"][0]
-    text: str = choice["message"]["content"]
+def logprobs_block(res: TurnResult, top: int, token_text: Decode) -> dict[str, Any]:
+    """``choices[].logprobs`` in OpenAI's shape, one entry per returned token."""
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        text = token_text([tok])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+    gen = res.gen
+    content = []
+    for i, (tok, lp) in enumerate(zip(gen.output_ids, gen.logprobs, strict=True)):
+        tops = gen.top_logprobs[i] if i < len(gen.top_logprobs) else []
+        content.append({**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in tops[:top]]})
+    return {"content": content, "refusal": None}
 
-    yield event({"role": "assistant", "content": ""})
-    for i in range(0, len(text), STREAM_PIECE_CHARS):
-        yield event({"content": text[i:i + STREAM_PIECE_CHARS]})
-    yield event({}, choice["finish_reason"], dressage=completion["dressage"])
+
+def _usage(res: TurnResult) -> dict[str, int]:
+    n = len(res.gen.output_ids)
+    return {"prompt_tokens": len(res.prompt_ids), "completion_tokens": n, "total_tokens": len(res.prompt_ids) + n}
+
+
+def chat_completion(res: TurnResult, model: str, logprobs: int | None, token_ids: bool,
+                    token_text: Decode) -> dict[str, Any]:
+    """``chat.completion`` for a finished turn; ``logprobs``: None (off) or the top-k count."""
+    calls = res.output.tool_calls()
+    content = res.output.content()
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = [c.openai() for c in calls]
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(res),
+                              "logprobs": None if logprobs is None else logprobs_block(res, logprobs, token_text)}
+    body: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                            "created": int(time.time()), "model": model, "choices": [choice], "usage": _usage(res),
+                            "dressage": dressage_block(res.gen, res.session_id, res.segment)}
+    if token_ids:
+        body["prompt_token_ids"] = res.prompt_ids
+        choice["token_ids"] = res.gen.output_ids
+    return body
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + b"data: " + payload.encode() + b"\n\n"
+
+
+async def chat_stream(live: LiveTurn, model: str, include_usage: bool, logprobs: int | None, token_ids: bool,
+                      token_text: Decode) -> AsyncIterator[bytes]:
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": extra.pop("logprobs", None),
+                  **extra.pop("choice", {})}
+        return sse({**base, "choices": [choice], **extra})
+
+    first: dict[str, Any] = {"prompt_token_ids": live.prompt_ids} if token_ids else {}
+    yield chunk({"role": "assistant", "content": ""}, **first)
+    n_calls = 0
+    async for batch in live.events():
+        for ev in batch:
+            if isinstance(ev, TextPiece):
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, ToolCall):
+                yield chunk({"tool_calls": [ev.openai(index=n_calls)]})
+                n_calls += 1
+    try:
+        res = live.result()
+    except ProxyError as exc:
+        yield sse(exc.detail_body())
+        return
+    extra: dict[str, Any] = {"dressage": dressage_block(res.gen, res.session_id, res.segment)}
+    if logprobs is not None:
+        extra["logprobs"] = logprobs_block(res, logprobs, token_text)
+    if token_ids:
+        extra["choice"] = {"token_ids": res.gen.output_ids}
+    yield chunk({}, finish_reason(res), **extra)
     if include_usage:
-        yield b"data: " + json.dumps({**base, "choices": [], "usage": completion["usage"]}).encode() + b"\n\n"
+        yield sse({**base, "choices": [], "usage": _usage(res)})
     yield b"data: [DONE]\n\n"
 
 
-def token_response(gen: Generation, text: str | None, prompt_tokens: int, session_id: str,
-                   segment_index: int) -> dict[str, Any]:
+def token_response(res: TurnResult, text: str, rid: str | None, with_logprobs: bool) -> dict[str, Any]:
     """``/v1/generate`` answer, in SGLang's ``/generate`` shape so one parser reads both."""
-    return {
-        "text": text,
-        "output_ids": gen.output_ids,
-        "session_id": session_id,
-        "meta_info": {
-            "finish_reason": {"type": gen.finish_reason},
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(gen.output_ids),
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(gen.logprobs, gen.output_ids, strict=True)],
-            "output_token_versions": gen.versions,
-            **_extension(gen, session_id, segment_index),
-        },
+    gen = res.gen
+    finish: dict[str, Any] = {"type": gen.finish_reason}
+    if res.output.matched_stop is not None:
+        finish = {"type": "stop", "matched": res.output.matched_stop}
+    meta: dict[str, Any] = {
+        "id": rid, "finish_reason": finish, "prompt_tokens": len(res.prompt_ids),
+        "completion_tokens": len(gen.output_ids), "output_token_versions": gen.versions,
+        **dressage_block(gen, res.session_id, res.segment),
     }
+    if with_logprobs:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(gen.logprobs, gen.output_ids, strict=True)]
+    return {"text": text, "output_ids": gen.output_ids, "session_id": res.session_id, "meta_info": meta}

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.proxy.controller import Generation, GenerationController
+from services.proxy.controller import Generation, GenerationController, TokenSink
 from services.proxy.engine_client import EngineClient
 from services.proxy.errors import SessionConflict
 from services.proxy.guards import ConcurrencyLimit
@@ -144,15 +144,19 @@ class ProxyRuntime:
         return params
 
     async def turn(self, session_id: str, partial: bool, input_ids: list[int], max_new_tokens: int,
-                   sampling: dict[str, Any]) -> tuple[Generation, int]:
-        """Generate one response for ``session_id`` and record it; returns it and its segment index."""
+                   sampling: dict[str, Any], sink: TokenSink | None = None,
+                   request_fields: dict[str, Any] | None = None) -> tuple[Generation, int]:
+        """Generate one response for ``session_id`` and record it; returns it and its segment index.
+
+        ``sink`` receives the tokens as they are produced (streaming, stop strings); what is
+        recorded is exactly what the response keeps (a stop string's cut included)."""
         with self.limit:
             session = self.sessions.open(session_id, partial)
             async with session.lock:
                 if session.finalized:  # finalized while this turn waited for the lock
                     raise SessionConflict(f"session {session_id!r} is finalized", session_id=session_id)
                 gen = await self.controller.generate(session_id, list(session.versions), input_ids,
-                                                     max_new_tokens, sampling, partial)
+                                                     max_new_tokens, sampling, partial, sink, request_fields)
                 seg = session.record(input_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason,
                                      gen.preempts)
                 session.touched = time.monotonic()

@@ -6,8 +6,8 @@ deployment. ``parse`` turns a pydantic failure into ``InvalidRequest`` naming th
 (dotted path, e.g. ``messages.0.role``) and listing every error — never echoing the input.
 
 OpenAI chat bodies ignore unknown fields (agents send many optional OpenAI knobs); fields that
-would change the result and are not supported (``n`` > 1, ``stop`` strings, ``tools``) are
-refused instead of silently ignored. Token-id bodies (``/v1/generate``) and operator bodies
+would change the result and are not supported (``response_format``, ``n`` > 1, ...: the tables
+``*_UNSUPPORTED``) are refused with 400 naming the field instead of silently ignored. Token-id bodies (``/v1/generate``) and operator bodies
 forbid unknown fields: a typo there is a bug in our own workers.
 """
 
@@ -16,9 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from services.proxy.errors import InvalidRequest
+from services.proxy.errors import InvalidRequest, UnsupportedParameter
 
 M = TypeVar("M", bound=BaseModel)
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -43,32 +51,74 @@ def _check_max_tokens(v: int | None, info: ValidationInfo) -> int | None:
     return v
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str  # only "text" (and "input_text"/"output_text") can be read by a text-only policy
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI) or an object
+
+
+class ToolCallIn(BaseModel):
+    """An earlier assistant tool call, sent back by the agent in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # None: an assistant turn that only made tool calls
+    content: str | list[ContentPart] | None = None  # None: an assistant turn that only made tool calls
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)  # assistant turns
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool turns: which call this answers
+    name: str | None = Field(default=None, max_length=256)
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text or "" for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: dict[str, Any]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = True
+    include_usage: bool = False
 
 
 class ChatRequest(BaseModel):
-    """``POST /v1/chat/completions`` (the OpenAI subset a text-only policy can honour)."""
+    """``POST /v1/chat/completions``: OpenAI's body plus SGLang's extensions this proxy honours.
+
+    Fields that would change the result and are not implemented are refused before this model
+    is built (``refuse_unsupported``, 400 naming the field); fields that do not change the
+    result (``user``, ``metadata``, ``store``, ``service_tier``...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = Field(default=None, max_length=256)
@@ -77,13 +127,26 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer OpenAI name; wins if both given
     temperature: float | None = Field(default=None, ge=0.0, le=10.0)  # None: proxy.temperature
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1)  # SGLang extension
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # SGLang extension (passed to the engine)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # passed to the engine
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # passed to the engine
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # SGLang extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, passed to the engine
     seed: int | None = Field(default=None, ge=0, lt=1 << 63)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False  # answered as a pseudo-stream (SSE of the finished response)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False  # real token streaming (SSE chunks as tokens are produced)
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    tools: list[Any] | None = None
+    stop: str | list[str] | None = None  # up to 4 strings (OpenAI); the text and tokens end before it
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # SGLang extension
+    ignore_eos: bool = False  # SGLang extension
+    skip_special_tokens: bool = True  # SGLang extension
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    return_token_ids: bool = False  # SGLang/vLLM extension: prompt_token_ids + choices[].token_ids
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("messages")
@@ -101,20 +164,48 @@ class ChatRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _no_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v:
-            raise ValueError("stop strings are not supported; the turn ends at the chat template's end token")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calling is not supported by this proxy; describe tools in the prompt")
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 4 or any(not s or len(s) > 256 for s in items):
+            raise ValueError("at most 4 stop strings of 1-256 characters")
         return v
 
     def new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+# Fields OpenAI's or SGLang's chat API accepts that would change the result and are not implemented
+# here: refused with 400 naming the field, never ignored. A value equal to the API's default passes.
+CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "response_format": ({"type": "text"}, "structured output (JSON mode / json_schema) is not implemented"),
+    "n": (1, "only one choice per request (send n requests, each in its own session)"),
+    "audio": (None, "audio output is not supported by a text-only policy"),
+    "modalities": (["text"], "only text output is supported"),
+    "prediction": (None, "predicted outputs are not implemented"),
+    "web_search_options": (None, "web search is not available"),
+    "functions": (None, "the deprecated 'functions' API is not implemented; use 'tools'"),
+    "function_call": (None, "the deprecated 'function_call' API is not implemented; use 'tool_choice'"),
+    "reasoning_effort": (None, "this policy has no reasoning-effort control"),
+    "verbosity": (None, "this policy has no verbosity control"),
+    "parallel_tool_calls": (True, "every tool call the model writes is returned; false cannot be enforced"),
+    "ebnf": (None, "grammar-constrained decoding is not implemented"),
+    "regex": (None, "regex-constrained decoding is not implemented"),
+    "json_schema": (None, "schema-constrained decoding is not implemented"),
+    "continue_final_message": (False, "continuing the final assistant message is not implemented"),
+    "lora_path": (None, "LoRA adapters are not supported"),
+}
+
+
+def refuse_unsupported(body: Any, table: dict[str, tuple[Any, str]]) -> None:
+    """400 ``unsupported_parameter`` for the first field of ``table`` set to a non-default value."""
+    if not isinstance(body, dict):
+        return
+    for name, (default, why) in table.items():
+        if name in body and body[name] is not None and body[name] != default:
+            raise UnsupportedParameter(name, why)
 
 
 class SamplingParams(BaseModel):
@@ -126,6 +217,15 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     sampling_seed: int | None = Field(default=None, ge=0, lt=1 << 63)
     ignore_eos: bool = False  # SGLang's knob: do not stop at the engine's end tokens (fixed-length runs)
+    stop: str | list[str] | None = Field(default=None, max_length=16)  # stop strings (cut here; see no_stop_trim)
+    no_stop_trim: bool = False  # keep the matched stop string in text and output_ids (SGLang)
+    skip_special_tokens: bool = True  # strip special tokens from "text" (SGLang's default)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        items = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not s for s in items):
+            raise InvalidRequest("sampling_params.stop", "stop strings must be non-empty")
+        return items
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -137,13 +237,24 @@ class GenerateRequest(BaseModel):
     """``POST /v1/generate``: token ids in, token ids out (white-box workers)."""
 
     model_config = ConfigDict(extra="forbid")
-    input_ids: list[int] = Field(min_length=1)
+    input_ids: list[int] | None = Field(default=None, min_length=1)  # exactly one of input_ids and text
+    text: str | None = Field(default=None, min_length=1)  # tokenised as is (no chat template), SGLang's way
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    rid: str | None = Field(default=None, min_length=1, max_length=256)  # echoed as meta_info.id
+    return_logprob: bool = True  # False: no output_token_logprobs in meta_info (they are recorded anyway)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text' and 'input_ids'")
+        return self
 
     @field_validator("input_ids")
     @classmethod
-    def _ids(cls, v: list[int], info: ValidationInfo) -> list[int]:
+    def _ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if v is None:
+            return v
         lim = _limits(info)
         if lim is not None and len(v) > lim.max_prompt_tokens:
             raise ValueError(f"{len(v)} tokens exceed proxy.max_prompt_tokens={lim.max_prompt_tokens}")
@@ -153,17 +264,20 @@ class GenerateRequest(BaseModel):
         return v
 
 
+NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"  # strings that reach log lines: one line each
+
+
 class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)  # None: the whole proxy
-    reason: str = Field(default="", max_length=256)
+    session_id: str | None = Field(default=None, min_length=1, max_length=256, pattern=NO_CONTROL)  # None: whole proxy
+    reason: str = Field(default="", max_length=256, pattern=NO_CONTROL)  # logged: no control characters
     timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)  # None: proxy.pause_timeout_s
 
 
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)
-    version: str | None = Field(default=None, min_length=1, max_length=128)  # what the engines now run
+    session_id: str | None = Field(default=None, min_length=1, max_length=256, pattern=NO_CONTROL)
+    version: str | None = Field(default=None, min_length=1, max_length=128, pattern=NO_CONTROL)  # engines' version
 
 
 def parse(model: type[M], data: Any, limits: Limits | None = None) -> M:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.proxy.auth import OPEN, Principal
 from services.proxy.errors import InvalidRequest, OverCapacity, SessionConflict, SessionNotFound
 from shared.schemas import Sample
 from shared.staleness import (
@@ -32,12 +33,12 @@ from shared.staleness import (
     sample_version_fields,
 )
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,255}$")
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,255}")  # matched whole (fullmatch)
 
 
 def check_session_id(value: str, where: str) -> str:
     """Refuse ids that cannot be a ``Sample.traj_id`` (1-256 chars) or would be unsafe in logs/paths."""
-    if not SESSION_ID_RE.match(value):
+    if not SESSION_ID_RE.fullmatch(value):  # whole: a trailing newline is refused, never logged or echoed
         raise InvalidRequest(where, "session id must be 1-256 characters of [A-Za-z0-9._:@+=-], starting "
                                     "with a letter or digit")
     return value
@@ -67,6 +68,7 @@ class Session:
     created: float
     touched: float
     finalized: bool = False
+    owner: str | None = None  # the credential owner that created it (services.proxy.auth); None = open mode
     segments: list[Segment] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # distinct real versions, observation order
     turns: int = 0
@@ -136,23 +138,29 @@ class SessionStore:
             return None
         return s
 
-    def get(self, session_id: str, now: float | None = None) -> Session:
+    def get(self, session_id: str, now: float | None = None, principal: Principal = OPEN) -> Session:
         s = self._live(session_id, time.monotonic() if now is None else now)
-        if s is None:
+        if s is None or not principal.may_use(session_id, s.owner):  # another owner's: as if absent
             raise SessionNotFound(f"unknown or expired session {session_id!r}", session_id=session_id)
         return s
 
-    def open(self, session_id: str, partial: bool, now: float | None = None) -> Session:
-        """The live session ``session_id`` (created if new), ready to take one more turn."""
+    def open(self, session_id: str, partial: bool, now: float | None = None, principal: Principal = OPEN) -> Session:
+        """The live session ``session_id`` (created if new, bound to ``principal``'s owner), ready to take
+        one more turn; a session of another owner is ``SessionNotFound``."""
         now = time.monotonic() if now is None else now
         s = self._live(session_id, now)
+        if s is not None and not principal.may_use(session_id, s.owner):
+            raise SessionNotFound(f"unknown or expired session {session_id!r}", session_id=session_id)
+        if s is None and not principal.may_use(session_id, principal.owner):
+            raise SessionNotFound(f"unknown or expired session {session_id!r}", session_id=session_id)
         if s is None:
             if len(self._sessions) >= self.max_sessions:
                 self.expire(now)
                 if len(self._sessions) >= self.max_sessions:
                     raise OverCapacity(f"session limit proxy.max_sessions={self.max_sessions} reached",
                                        retry_after_s=5)
-            s = self._sessions[session_id] = Session(session_id, partial, created=now, touched=now)
+            s = self._sessions[session_id] = Session(session_id, partial, created=now, touched=now,
+                                                     owner=principal.owner)
         if s.finalized:
             raise SessionConflict(f"session {session_id!r} is finalized", session_id=session_id)
         if s.partial != partial:

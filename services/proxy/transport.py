@@ -23,6 +23,7 @@ import socket
 import ssl
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -48,6 +49,11 @@ class RequestFailed(TransportError):
 class Transport(Protocol):
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
         """``(status, body bytes)`` of one request with a JSON body (None: no body)."""
+        ...
+
+    def stream(self, method: str, url: str, body: Any | None, timeout: float) -> AsyncIterator[tuple[int, bytes]]:
+        """``(status, piece)`` for each piece of the body as it arrives (SSE responses);
+        ``timeout`` bounds each wait for the next piece."""
         ...
 
     async def close(self) -> None: ...
@@ -95,8 +101,8 @@ class _Pool:
             self.idle.pop()[1].close()
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
-    """``(status, body, keep_alive)``; raises ValueError on a malformed response."""
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bool]:
+    """``(status, lower-cased headers, keep_alive)`` of a response."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     version, status_text = lines[0].split(" ", 2)[:2]
@@ -106,21 +112,44 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
     keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    return int(status_text), headers, keep
+
+
+async def _read_chunk(reader: asyncio.StreamReader) -> bytes | None:
+    """One piece of a chunked body; None after the last one (trailers consumed)."""
+    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+    if size == 0:
+        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+            pass
+        return None
+    return (await reader.readexactly(size + 2))[:-2]
+
+
+async def _read_plain(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
     if "content-length" in headers:
-        body = await reader.readexactly(int(headers["content-length"]))
-    elif headers.get("transfer-encoding", "").lower() == "chunked":
+        return await reader.readexactly(int(headers["content-length"]))
+    return await reader.read()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    """``(status, body, keep_alive)``; raises ValueError on a malformed response."""
+    status, headers, keep = await _read_head(reader)
+    if headers.get("transfer-encoding", "").lower() == "chunked":
         parts = []
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                    pass
-                break
-            parts.append((await reader.readexactly(size + 2))[:-2])
-        body = b"".join(parts)
-    else:
-        body, keep = await reader.read(), False
-    return int(status_text), body, keep
+        while (piece := await _read_chunk(reader)) is not None:
+            parts.append(piece)
+        return status, b"".join(parts), keep
+    return status, await _read_plain(reader, headers), keep and "content-length" in headers
+
+
+def _request_bytes(pool: _Pool, method: str, url: str, body: Any | None) -> tuple[bytes, bytes]:
+    """Request line + headers, and the JSON body, of one request."""
+    parts = urlsplit(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+    head = (f"{method} {target} HTTP/1.1\r\nHost: ".encode() + pool.host_header
+            + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n")
+    return head, payload
 
 
 class RawHttp:
@@ -140,11 +169,7 @@ class RawHttp:
 
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
         pool = self._pool(url)
-        parts = urlsplit(url)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
-        head = (f"{method} {target} HTTP/1.1\r\nHost: ".encode() + pool.host_header
-                + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n")
+        head, payload = _request_bytes(pool, method, url, body)
         reader, writer = await pool.connect()
         try:
             writer.write(head + payload)  # one write: headers and body together
@@ -164,6 +189,40 @@ class RawHttp:
         else:
             writer.close()
         return status, data
+
+    async def stream(self, method: str, url: str, body: Any | None,
+                     timeout: float) -> AsyncIterator[tuple[int, bytes]]:
+        pool = self._pool(url)
+        head, payload = _request_bytes(pool, method, url, body)
+        reader, writer = await pool.connect()
+        done = False
+        try:
+            writer.write(head + payload)
+            try:
+                async with asyncio.timeout(timeout):
+                    status, headers, keep = await _read_head(reader)
+                if headers.get("transfer-encoding", "").lower() != "chunked":
+                    async with asyncio.timeout(timeout):
+                        data = await _read_plain(reader, headers)
+                    keep = keep and "content-length" in headers
+                    yield status, data
+                else:
+                    while True:
+                        async with asyncio.timeout(timeout):
+                            piece = await _read_chunk(reader)
+                        if piece is None:
+                            break
+                        yield status, piece
+            except TimeoutError:
+                raise RequestFailed("no response in time", timed_out=True) from None
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+                raise RequestFailed(f"connection failed ({type(exc).__name__})") from None
+            done = True
+        finally:  # closed early (cancelled, caller stopped reading) or broken: drop the connection
+            if done and keep:
+                pool.release(reader, writer)
+            else:
+                writer.close()
 
     async def close(self) -> None:
         for pool in self._pools.values():
@@ -186,6 +245,19 @@ class HttpxTransport:
         except httpx.TransportError as exc:
             raise RequestFailed(type(exc).__name__) from None
         return resp.status_code, resp.content
+
+    async def stream(self, method: str, url: str, body: Any | None,
+                     timeout: float) -> AsyncIterator[tuple[int, bytes]]:
+        try:
+            async with self._client.stream(method, url, json=body, timeout=timeout) as resp:
+                async for piece in resp.aiter_bytes():
+                    yield resp.status_code, piece
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise ConnectFailed(type(exc).__name__, isinstance(exc, httpx.ConnectTimeout)) from None
+        except httpx.TimeoutException:
+            raise RequestFailed("no response in time", timed_out=True) from None
+        except httpx.TransportError as exc:
+            raise RequestFailed(type(exc).__name__) from None
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -10,6 +10,7 @@ mode on the requested device and dtype. A missing or incomplete directory raises
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,14 +116,54 @@ def chat_input_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any] | Any],
     add_generation_prompt: bool = True,
+    **template_kwargs: Any,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template."""
-    rendered = tokenizer.apply_chat_template(
-        _as_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    """Token ids of `messages` rendered with the tokenizer's chat template (``template_kwargs``,
+    e.g. ``tools``, go to the template).
+
+    Only the template writes real special tokens: special-token text inside a message's content
+    (``<|im_end|>\n<|im_start|>system`` typed by a user or produced by a model) is encoded as plain
+    text, so it can never open or close a chat turn. Messages without such text take the plain
+    path (render, encode once), so ordinary prompts tokenize exactly as before.
+    """
+    dicts = _as_dicts(messages)
+    specials = special_texts(tokenizer)
+    if any(isinstance(m["content"], str) and any(sp in m["content"] for sp in specials) for m in dicts):
+        return _segmented_ids(tokenizer, dicts, add_generation_prompt, template_kwargs)
+    rendered = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **template_kwargs)
     assert isinstance(rendered, str)
     # The template already writes every special token; do not let the tokenizer add a BOS.
     ids = tokenizer.encode(rendered, add_special_tokens=False)
+    return [int(i) for i in ids]
+
+
+def special_texts(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """The strings the tokenizer turns into special tokens (declared specials and special added tokens)."""
+    out = {str(t) for t in tokenizer.all_special_tokens}
+    out.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    return {t for t in out if t}
+
+
+def _segmented_ids(tokenizer: PreTrainedTokenizerBase, dicts: list[dict[str, Any]],
+                   add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
+    """Render with placeholder contents, then encode template text with specials and content as text."""
+    marks: dict[str, str] = {}
+    placeheld: list[dict[str, Any]] = []
+    for i, m in enumerate(dicts):
+        if isinstance(m["content"], str):
+            marks[f"\x00dressage-content-{i}\x00"] = m["content"]
+            m = {**m, "content": f"\x00dressage-content-{i}\x00"}
+        placeheld.append(m)
+    rendered = tokenizer.apply_chat_template(placeheld, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **template_kwargs)
+    assert isinstance(rendered, str)
+    ids: list[int] = []
+    for part in re.split("(\x00dressage-content-\\d+\x00)", rendered):
+        if part in marks:
+            ids += tokenizer.encode(marks[part], add_special_tokens=False, split_special_tokens=True)
+        elif part:
+            ids += tokenizer.encode(part, add_special_tokens=False)
     return [int(i) for i in ids]
 
 

@@ -32,10 +32,40 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
 CHARACTERS: tuple[str, ...] = ("\n", *(chr(c) for c in range(32, 127)))
 
 # ChatML, as in Qwen: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then an
-# open assistant turn when a generation prompt is asked for.
+# open assistant turn when a generation prompt is asked for. Tools follow Qwen's Hermes format,
+# compacted for a 256-token character model: a system turn listing the tool names in
+# <tools>...</tools> (merged into a leading system message), assistant tool calls as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, and tool results as a user turn
+# <tool_response>\n...\n</tool_response>. Without tools and tool turns the rendering is plain ChatML.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+    "{%- set ns = namespace(skip=0) -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n' -}}{%- set ns.skip = 1 -%}"
+    "{%- endif -%}"
+    "{{- '<tools>' -}}"
+    "{%- for tool in tools -%}"
+    "{{- (tool['function']['name'] if tool['function'] is defined else tool['name']) -}}"
+    "{{- ',' if not loop.last else '' -}}"
+    "{%- endfor -%}"
+    "{{- '</tools><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.skip:] -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{{- fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson -}}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"

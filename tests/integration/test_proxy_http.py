@@ -23,6 +23,7 @@ from shared.keys import Keys
 from shared.redisproc import RedisProcess
 
 KEY = "proxy-test-key-0123456789"
+OPERATOR_KEY = "operator-key-for-tests-0123"
 MSG = [{"role": "user", "content": "abc"}]
 
 
@@ -109,7 +110,7 @@ def test_proxy_process_serves_heartbeats_and_stops_cleanly_without_logging_the_k
         tmp_path: Path) -> None:
     port = free_port()
     cfg = {"redis": {"url": redis_server.url, "prefix": keys.prefix}, "model": {"path": str(engine.model_dir)},
-           "proxy": {"port": port, "engines": [engine.url], "api_key": KEY}}
+           "proxy": {"port": port, "engines": [engine.url], "api_key": KEY, "operator_key": OPERATOR_KEY}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     log_path = tmp_path / "proxy.log"
     proc = subprocess.Popen([sys.executable, "-m", "services.proxy", "--config", str(tmp_path / "cfg.yaml")],
@@ -125,9 +126,11 @@ def test_proxy_process_serves_heartbeats_and_stops_cleanly_without_logging_the_k
         while not redis_client.keys(keys.health("proxy", "*")):
             assert time.monotonic() < deadline, "no heartbeat"
             time.sleep(0.1)
-        assert httpx.get(f"{url}/v1/rollout/state", headers=auth).json()["following_versions"] is True
+        assert httpx.get(f"{url}/v1/rollout/state", headers=auth).status_code == 403  # agent key: no operator scope
+        operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+        assert httpx.get(f"{url}/v1/rollout/state", headers=operator).json()["following_versions"] is True
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(20)
     assert code == 0, log_path.read_text()
-    assert KEY not in log_path.read_text()
+    assert KEY not in log_path.read_text() and OPERATOR_KEY not in log_path.read_text()

@@ -9,12 +9,14 @@ interrupt generations. Integration tests use the real engine instead.
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from services.proxy.transport import HttpxTransport
@@ -23,7 +25,9 @@ VOCAB = 100
 
 
 class FakeEngine:
-    def __init__(self, version: str = "a", step_s: float = 0.002, stop_after: int | None = None) -> None:
+    def __init__(self, version: str = "a", step_s: float = 0.002, stop_after: int | None = None,
+                 script: list[int] | None = None) -> None:
+        self.script = script  # emit these ids (continuing where a resumed prompt left off), then stop
         self.version = version
         self.step_s = step_s
         self.stop_after = stop_after  # emit a stop token after this many tokens (None: never)
@@ -46,10 +50,52 @@ class FakeEngine:
         rid = body["rid"]
         if rid in self.running:
             return JSONResponse({"error": "duplicate rid"}, status_code=400)
+        if body.get("stream"):
+            return StreamingResponse(self._sse(body), media_type="text/event-stream")
+        meta: dict[str, Any] = {}
+        async for meta in self._run(body):
+            pass
+        return JSONResponse({"text": "", "output_ids": meta["output_ids"], "meta_info": meta["meta_info"]})
+
+    async def _sse(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """SGLang's streamed /generate: one event per token, cumulative output_ids and logprobs."""
+        async for event in self._run(body):
+            yield b"data: " + json.dumps({"text": "", **event}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _next(self, body: dict[str, Any], produced: list[int], last: int) -> int | None:
+        if self.script is None:
+            return (last + 1) % VOCAB
+        done = self._resumed_from(body) + len(produced)
+        return self.script[done] if done < len(self.script) else None
+
+    def _resumed_from(self, body: dict[str, Any]) -> int:
+        """How much of the script a resumed prompt (prompt + partial output) already holds."""
+        prompt, script = body["input_ids"], self.script or []
+        for n in range(min(len(prompt), len(script)), 0, -1):
+            if prompt[-n:] == script[:n]:
+                return n
+        return 0
+
+    async def _run(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        rid = body["rid"]
         abort = self.running[rid] = asyncio.Event()
-        ids, lps, versions = [], [], []
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[str] = []
         last = body["input_ids"][-1]
-        finish: dict[str, Any] = {"type": "length", "length": body["sampling_params"]["max_new_tokens"]}
+        finish: dict[str, Any] | None = None
+
+        def event(final: bool) -> dict[str, Any]:
+            meta = {"id": rid, "finish_reason": finish if final else None, "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": len(ids), "weight_version": versions[-1] if versions else self.version,
+                    "output_token_versions": list(versions),
+                    "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]}
+            if body.get("top_logprobs_num"):
+                meta["output_top_logprobs"] = [[[lp, t, None], [lp - 1.0, (t + 1) % VOCAB, None]][:body["top_logprobs_num"]]
+                                               for lp, t in zip(lps, ids, strict=True)]
+            return {"output_ids": list(ids), "meta_info": meta}
+
         try:
             for i in range(body["sampling_params"]["max_new_tokens"]):
                 self.started.set()
@@ -60,19 +106,24 @@ class FakeEngine:
                 if abort.is_set():
                     finish = {"type": "abort", "message": "aborted"}
                     break
-                last = (last + 1) % VOCAB
+                nxt = self._next(body, ids, last)
+                if nxt is None:
+                    finish = {"type": "stop", "matched": last}
+                    break
+                last = nxt
                 ids.append(last)
                 lps.append(-0.25)
                 versions.append(self.version)
                 if self.stop_after is not None and i + 1 >= self.stop_after:
                     finish = {"type": "stop", "matched": last}
                     break
+                if body.get("stream"):
+                    yield event(False)
         finally:
             del self.running[rid]
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": len(ids), "weight_version": versions[-1] if versions else self.version,
-                "output_token_versions": versions, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]}
-        return JSONResponse({"text": "", "output_ids": ids, "meta_info": meta})
+        if finish is None:
+            finish = {"type": "length", "length": body["sampling_params"]["max_new_tokens"]}
+        yield event(True)
 
     async def abort(self, request: Request) -> JSONResponse:
         rid = (await request.json())["rid"]

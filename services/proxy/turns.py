@@ -1,0 +1,140 @@
+"""One model call of any API surface (chat, Responses, Messages) on the shared session core.
+
+Each surface turns its request into a ``TurnPlan`` (messages in the chat template's shape,
+tools, sampling knobs, stop strings, streaming); ``prepare`` renders the prompt with the chat
+template and builds the ``TurnOutput`` that turns tokens into content and tool calls;
+``run_turn`` runs it through ``ProxyRuntime.turn`` (sessions, partial rollout, version checks,
+recording). ``LiveTurn`` runs the same turn in a task and hands its events over as they are
+produced, for streamed responses. Invariants:
+* every surface records exactly what it returns (``TurnOutput.kept`` tokens);
+* a streamed turn that fails before its first event is an HTTP error like a non-streamed one
+  (``LiveTurn.started``); after that the stream reports it in-band and ends;
+* a client that goes away cancels the turn (its engine request is aborted, nothing recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.proxy.controller import Generation
+from services.proxy.errors import InvalidRequest, UnsupportedParameter
+from services.proxy.runtime import ProxyRuntime
+from services.proxy.textout import TurnOutput
+from shared.toolcalls import Event, make_splitter
+
+
+@dataclass
+class TurnPlan:
+    """What a request asks of the model, independent of the API surface it came in on."""
+
+    messages: list[dict[str, Any]]  # chat-template messages: role, content, [tool_calls, tool_call_id, name]
+    max_new_tokens: int
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered by the chat template
+    parse_tools: bool = True  # False: tool_choice "none" -- the model's text is all content
+    stops: tuple[str, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    engine_params: dict[str, Any] = field(default_factory=dict)  # other sampling_params (SGLang names)
+    stop_token_ids: list[int] | None = None  # in addition to the end-of-turn ids (SGLang)
+    top_logprobs: int = 0
+    stream: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class TurnResult:
+    gen: Generation  # what the engines produced, cut to what the response keeps
+    output: TurnOutput  # text, content, tool calls
+    prompt_ids: list[int]
+    segment: int
+    session_id: str
+
+
+def render_prompt(rt: ProxyRuntime, plan: TurnPlan) -> list[int]:
+    """Prompt token ids: the chat template over the messages (and tools), with a generation prompt."""
+    if plan.tools and "tools" not in str(getattr(rt.tokenizer, "chat_template", "") or ""):
+        raise UnsupportedParameter("tools", "this model's chat template does not render tools")
+    try:  # bytes bounded first; special-token text in content stays text (issue 16)
+        ids = rt.prompt_ids(plan.messages, plan.tools)
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # jinja errors: a message shape this template cannot render
+        raise InvalidRequest("messages", f"the chat template cannot render these messages ({exc})") from None
+    if len(ids) > rt.cfg.max_prompt_tokens:
+        raise InvalidRequest("messages", f"prompt is {len(ids)} tokens; proxy.max_prompt_tokens={rt.cfg.max_prompt_tokens}")
+    return ids
+
+
+def prepare(rt: ProxyRuntime, plan: TurnPlan, prompt_ids: list[int] | None = None
+            ) -> tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]]:
+    """(prompt ids, output builder, engine sampling params, extra /generate fields)."""
+    ids = render_prompt(rt, plan) if prompt_ids is None else prompt_ids
+    parser = rt.cfg.tool_call_parser if plan.tools and plan.parse_tools else None
+    skip = plan.skip_special_tokens
+    output = TurnOutput(decode=lambda t: rt.decode(t, skip_special_tokens=skip), splitter=make_splitter(parser),
+                        stops=plan.stops, no_stop_trim=plan.no_stop_trim, stream=plan.stream or bool(plan.stops))
+    # SGLang's rule: stop_token_ids add to the end-of-turn ids, which only ignore_eos drops.
+    extra = list(plan.stop_token_ids or ())
+    stop_ids = extra if plan.engine_params.get("ignore_eos") else ([*rt.stop_ids, *extra] if extra else None)
+    sampling = rt.sampling(plan.temperature, plan.top_p, plan.top_k, plan.seed, stop_ids)
+    sampling.update(plan.engine_params)
+    fields = {"top_logprobs_num": plan.top_logprobs} if plan.top_logprobs else {}
+    return ids, output, sampling, fields
+
+
+async def _execute(rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
+                   prepared: tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]]) -> TurnResult:
+    ids, out, sampling, fields = prepared
+    gen, seg = await rt.turn(session_id, partial, ids, plan.max_new_tokens, sampling, out, fields)
+    out.finish()  # flush held-back text and any open tool-call block
+    return TurnResult(gen, out, ids, seg, session_id)
+
+
+async def run_turn(rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
+                   prompt_ids: list[int] | None = None) -> TurnResult:
+    """A whole (non-streamed) turn."""
+    prepared = await rt.off_loop(prepare, rt, plan, prompt_ids)  # tokenizing never blocks the event loop
+    return await _execute(rt, session_id, partial, plan, prepared)
+
+
+class LiveTurn:
+    """A turn running in its own task, its events read as they are produced."""
+
+    def __init__(self, rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
+                 prompt_ids: list[int] | None = None) -> None:
+        self._queue: asyncio.Queue[list[Event] | None] = asyncio.Queue()
+        prepared = prepare(rt, plan, prompt_ids)  # template errors are raised here, before any stream
+        self.prompt_ids, self.output = prepared[0], prepared[1]
+        self.output.listener = self._queue.put_nowait
+        self.task = asyncio.create_task(_execute(rt, session_id, partial, plan, prepared))
+        self.task.add_done_callback(lambda _: self._queue.put_nowait(None))
+        self._peeked: list[Event] | None = None
+
+    async def started(self) -> None:
+        """Wait for the first event (or the end); a turn that failed before any raises here."""
+        self._peeked = await self._queue.get()
+        if self._peeked is None and (exc := self.task.exception()) is not None:
+            raise exc
+
+    async def events(self) -> AsyncIterator[list[Event]]:
+        """Batches of events until the turn ends; then ``result()`` (which may raise)."""
+        try:
+            batch = self._peeked
+            while batch is not None:
+                yield batch
+                batch = await self._queue.get()
+        finally:
+            if not self.task.done():  # the client went away: stop generating
+                self.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self.task
+
+    def result(self) -> TurnResult:
+        return self.task.result()

@@ -1,0 +1,188 @@
+"""OpenAI chat as agents use it, over the fake engine: tools, streaming, stop strings, logprobs, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from proxy_fake_engine import FakeEngine
+from test_proxy_app import TOKENIZER, run_proxy
+
+from services.proxy.runtime import ProxyRuntime
+
+EOS = int(TOKENIZER.eos_token_id)
+MSG = [{"role": "user", "content": "code of qzt?"}]
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a key up",
+                                           "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "qzt"}}\n</tool_call>'
+
+
+def ids(text: str, eos: bool = True) -> list[int]:
+    return [int(i) for i in TOKENIZER.encode(text, add_special_tokens=False)] + ([EOS] if eos else [])
+
+
+def sse_data(text: str) -> list[Any]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_tool_calls_are_parsed_into_message_tool_calls_and_recorded_verbatim() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "max_tokens": 200},
+                         headers={"X-Session-Id": "tool-1"})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        call = choice["message"]["tool_calls"][0]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"] == {"name": "lookup", "arguments": '{"key": "qzt"}'}
+        assert "<tools>lookup</tools>" in TOKENIZER.decode(eng.generate_bodies[0]["input_ids"])
+        # The agent sends the call back with the tool's answer: the prompt extends the recorded turn.
+        eng.script = ids("4821")
+        msgs = [*MSG, choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "4821"}]
+        r2 = await c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS},
+                          headers={"X-Session-Id": "tool-1"})
+        assert r2.json()["choices"][0]["message"]["content"] == "4821"
+        assert r2.json()["choices"][0]["finish_reason"] == "stop"
+        sample = rt.sessions.get("tool-1").samples()
+        assert len(sample) == 1 and TOKENIZER.decode(sample[0]["token_ids"]).count(CALL) == 1
+    run_proxy(t, engine=FakeEngine(script=ids(CALL)))
+
+
+def test_tool_choice_none_leaves_the_text_as_content_and_malformed_calls_stay_visible() -> None:
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "tool_choice": "none"})
+        assert r.json()["choices"][0]["message"]["content"] == CALL and "tool_calls" not in r.json()["choices"][0]["message"]
+        eng.script = ids(bad)
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS})
+        assert r.json()["choices"][0]["message"]["content"] == bad
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+    run_proxy(t, engine=FakeEngine(script=ids(CALL)))
+
+
+def test_stream_sends_chunks_as_tokens_are_produced_and_tool_call_deltas() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        total = sse_data(r.text)
+        assert eng.generate_bodies[0]["stream"] is True
+        deltas = [ch["choices"][0]["delta"] for ch in total if ch["choices"]]
+        assert [d["content"] for d in deltas if d.get("content")] == ["h", "i", " "]  # one chunk per token
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert [(tc["index"], tc["function"]["name"]) for tc in calls] == [(0, "lookup")]
+        assert [ch["choices"][0]["finish_reason"] for ch in total if ch["choices"]][-1] == "tool_calls"
+        assert total[-1]["usage"]["completion_tokens"] == len(ids("hi " + CALL))
+    run_proxy(t, engine=FakeEngine(script=ids("hi " + CALL), step_s=0.01))
+
+
+def test_stream_survives_a_preemption_as_one_uninterrupted_stream() -> None:
+    text = "abcdefghijklmnopqrstuvwxyz" * 2
+
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        async def pause_resume() -> None:
+            await eng.started.wait()
+            await asyncio.sleep(0.05)
+            await rt.controller.pause(reason="test")
+            await rt.controller.resume(version="b")
+        task = asyncio.create_task(pause_resume())
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "stream": True, "max_tokens": 100})
+        await task
+        chunks = sse_data(r.text)
+        assert r.text.endswith("data: [DONE]\n\n")
+        assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == text
+        final = chunks[-1]
+        assert final["choices"][0]["finish_reason"] == "stop" and final["dressage"]["preempts"] >= 1
+        assert len(eng.generate_bodies) >= 2
+    run_proxy(t, engine=FakeEngine(script=ids(text), step_s=0.01))
+
+
+def test_stop_strings_cut_text_and_recorded_tokens_at_the_same_place() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "stop": ["END"], "max_tokens": 100},
+                         headers={"X-Session-Id": "stop-1"})
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == "one two " and choice["finish_reason"] == "stop"
+        sample = rt.sessions.get("stop-1").samples()[0]
+        response = [t for t, m in zip(sample["token_ids"], sample["loss_mask"], strict=True) if m]
+        assert TOKENIZER.decode(response) == "one two "
+        for _ in range(100):  # the abort is sent in the background
+            if eng.aborts:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.aborts, "the engine request is aborted once the stop string matched"
+    run_proxy(t, engine=FakeEngine(script=ids("one two END three four five six seven"), step_s=0.01))
+
+
+def test_logprobs_and_token_ids_in_openai_and_sglang_shapes() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "logprobs": True, "top_logprobs": 2,
+                                                       "return_token_ids": True})
+        body = r.json()
+        content = body["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content] == ["o", "k", "<|im_end|>"]
+        assert all(e["logprob"] == -0.25 and len(e["top_logprobs"]) == 2 for e in content)
+        assert content[0]["bytes"] == [ord("o")]
+        assert body["choices"][0]["token_ids"] == ids("ok") and body["prompt_token_ids"][-1] == ids("\n", False)[0]
+        assert eng.generate_bodies[-1]["top_logprobs_num"] == 2
+        assert body["model"] == rt.model_name
+    run_proxy(t, engine=FakeEngine(script=ids("ok")))
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 2}, "n"),
+    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+])
+def test_fields_that_would_change_the_result_are_refused_with_400_in_openai_shape(extra: dict[str, Any],
+                                                                                  field: str) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "unsupported_parameter"
+        assert err["type"] == "invalid_request_error" and field in err["message"]
+        assert eng.generate_bodies == []
+    run_proxy(t)
+
+
+def test_staleness_errors_keep_their_fields_inside_the_openai_error() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        await c.post("/v1/chat/completions", json={"messages": MSG}, headers={"X-Session-Id": "span"})
+        for v in ("b", "c"):
+            await rt.controller.pause()
+            eng.version = v
+            await rt.controller.resume(version=v)
+            r = await c.post("/v1/chat/completions", json={"messages": MSG}, headers={"X-Session-Id": "span"})
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "partial_rollout_staleness_exceeded" and err["max_preempts"] == 1
+        assert "versions" in err and "version_span" in err and r.json()["detail"]["error"] == err["code"]
+    run_proxy(t, max_partial_rollout_preempts=1)
+
+
+def test_generate_accepts_sglang_fields_and_strips_special_tokens() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/generate", json={"text": "abc", "rid": "my-rid", "return_logprob": False,
+                                               "sampling_params": {"max_new_tokens": 50, "stop": "xx",
+                                                                   "skip_special_tokens": True}})
+        body = r.json()
+        assert r.status_code == 200 and body["text"] == "hello " and body["meta_info"]["id"] == "my-rid"
+        assert "output_token_logprobs" not in body["meta_info"]
+        assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "xx"}
+        r = await c.post("/v1/generate", json={"input_ids": [7], "sampling_params": {
+            "max_new_tokens": 50, "stop": ["xx"], "no_stop_trim": True, "skip_special_tokens": False}})
+        assert r.json()["text"] == "hello xx" and TOKENIZER.decode(r.json()["output_ids"]) == "hello xx"
+        eng.script = ids("fin")
+        r = await c.post("/v1/generate", json={"input_ids": [7], "sampling_params": {"skip_special_tokens": False}})
+        assert r.json()["text"] == "fin<|im_end|>"
+        r = await c.post("/v1/generate", json={"input_ids": [7]})
+        assert r.json()["text"] == "fin"
+    run_proxy(t, engine=FakeEngine(script=ids("hello xx world")))
