@@ -1,7 +1,7 @@
 """Named exceptions of the project, flat as in rq: every failure a caller may handle has a name.
 
-``ShutdownRequested`` derives from ``BaseException`` so that no ``except Exception`` on the way
-swallows a stop request; the only broad ``except`` in a service is its consumer loop's poison guard.
+A stop request is a flag (``shared.lifecycle.StopFlag``), never an exception; the only broad
+``except`` in a service is its consumer loop's poison guard.
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ class InvalidSample(ValueError, DressageError):
 
 class UnknownTask(DressageError):
     """A task name that no plugin provides."""
-
-
-class ShutdownRequested(BaseException):
-    """Raised to unwind a service loop on SIGTERM/SIGINT; never caught by ``except Exception``."""
 
 
 class RedisAuthFailed(DressageError):

@@ -2,7 +2,7 @@
 
 Invariants:
 - an input entry is acknowledged only in the same MULTI/EXEC that adds its output (``handoff``)
-  or its dead letter (``dead_letter``), so a crash between the two can never lose or half-move it;
+  or its dead letter (``shared.stats.add_dead_letter``), so a crash between the two can never lose or half-move it;
 - a consumer restarting under the same name first re-reads its own pending entries, then new ones;
 - entries of dead consumers are reclaimed with XAUTOCLAIM after an idle time (cursor looped);
 - trimming never removes an entry that is pending or not yet delivered to every group.
@@ -22,8 +22,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from shared.keys import Keys
-from shared.schemas import DeadLetter
+from shared.schemas import MAX_ERROR_CHARS, DeadLetter
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ def dead_letter_fields(reason: str, error: str, source_stream: str, source_id: b
     """The ``{p}:dead`` entry for an entry (original bytes + reason), for callers that add it in their own MULTI."""
     from shared.codec import encode_entry  # local: codec imports schemas only; avoid a cycle at import
 
-    letter = DeadLetter(reason=reason, error=error[:4000], source_stream=source_stream,
+    letter = DeadLetter(reason=reason, error=error[:MAX_ERROR_CHARS], source_stream=source_stream,
                         source_id=_decode_key(source_id),
                         fields={_decode_key(k): _as_bytes(v) for k, v in fields.items()})
     out = encode_entry(letter)
@@ -155,21 +154,6 @@ def dead_letter_fields(reason: str, error: str, source_stream: str, source_id: b
         if raw is not None:
             out[name] = _as_bytes(raw)[:256]
     return out
-
-
-def dead_letter(r: redis.Redis, keys: Keys, reason: str, error: str, source_stream: str,
-                source_id: bytes | str, fields: Mapping[Any, Any], ack_group: str | None = None,
-                maxlen: int | None = 100_000) -> bytes:
-    """Move an entry to ``{p}:dead`` with its original bytes and a reason, acknowledging it atomically."""
-    sid = _decode_key(source_id)
-    out = dead_letter_fields(reason, error, source_stream, source_id, fields)
-    pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.dead, out, maxlen=maxlen, approximate=True) if maxlen else pipe.xadd(keys.dead, out)
-    if ack_group is not None:
-        pipe.xack(source_stream, ack_group, source_id)
-    new_id: bytes = pipe.execute()[0]
-    log.warning("dead-lettered entry_id=%s stream=%s reason=%s error=%s", sid, source_stream, reason, error[:300])
-    return new_id
 
 
 def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:

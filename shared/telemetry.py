@@ -20,6 +20,15 @@ from shared.keys import Keys
 
 log = logging.getLogger(__name__)
 
+# Prometheus: ``ops.metrics_port_base`` + the service's offset (docs/operations.md); the engine and
+# the proxy serve ``/metrics`` on their own HTTP port instead. The one table of these offsets.
+PROMETHEUS_OFFSETS = {"prompt-buffer": 1, "rollout-worker": 2, "group-collector": 3, "trainer": 4, "eval-worker": 5}
+
+
+def prometheus_port(base: int | None, service: str, replica: int = 0) -> int | None:
+    """The Prometheus port of ``service`` (replica ``replica``), or None when no base port is set."""
+    return base + PROMETHEUS_OFFSETS[service] + replica if base else None
+
 
 def report_metrics(r: redis.Redis, keys: Keys, service: str, metrics: Mapping[str, Any],
                    maxlen: int = 100_000) -> bytes | None:

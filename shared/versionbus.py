@@ -10,7 +10,6 @@ never goes backwards, and one that was disconnected catches up on its next read.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -166,6 +165,3 @@ class VersionWatcher:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self._backoff_max)
 
-
-def latest_as_dict(wv: WeightVersion | None) -> dict[str, Any]:
-    return json.loads(wv.model_dump_json()) if wv else {}

@@ -12,7 +12,7 @@ from shared.entry import run_service
 from shared.lifecycle import StopFlag
 from shared.staleness import StalenessGroupFilter, StalenessTracker, config_from_value
 from shared.streams import consumer_name
-from shared.telemetry import MetricGauges
+from shared.telemetry import MetricGauges, prometheus_port
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
@@ -20,7 +20,7 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     core = CollectorCore(StalenessGroupFilter(tracker, "collector"), cfg.train.groups_per_batch,
                          cfg.rollout.max_retries)
     c = cfg.collector
-    port = cfg.ops.metrics_port_base + 3 if cfg.ops.metrics_port_base else None
+    port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)
     return GroupCollector(cfg.redis.client(), cfg.keys(), core, consumer=consumer_name(SERVICE),
                           default_keep_versions=cfg.staleness.keep_versions,
                           order_by_published=cfg.staleness.order_by_published,

@@ -22,6 +22,7 @@ import redis
 from services.ops import series
 from services.ops.metricslog import MetricsLog
 from shared.keys import Keys
+from shared.stats import key as stats_key
 from shared.telemetry import report_metrics
 from shared.versionbus import read_latest
 
@@ -72,7 +73,7 @@ class Progress:
         self.line = ""
 
     def _stats(self) -> dict[str, int]:
-        raw = self.r.hgetall(self.keys.custom("stats"))
+        raw = self.r.hgetall(stats_key(self.keys))
         return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
 
     def tick(self) -> None:

@@ -18,6 +18,7 @@ import redis
 
 from services.ops.metricslog import parse_entry
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
+from shared.stats import key as stats_key
 
 LAG_CAP = 10_000
 DEAD_SCAN = 10_000
@@ -170,7 +171,7 @@ def collect(r: redis.Redis, keys: Keys) -> Snapshot:
         prefix=keys.prefix, taken_at=now, streams=streams, groups=_groups(r, keys), latest=latest,
         published=streams["weights:log"], window=_window(r, keys),
         control={text(k): text(v) for k, v in r.hgetall(keys.control).items()},
-        stats={text(k): int(v) for k, v in r.hgetall(keys.custom("stats")).items()},
+        stats={text(k): int(v) for k, v in r.hgetall(stats_key(keys)).items()},
         dead_by_reason=_dead_reasons(r, keys), beats=_beats(r, keys), recent=recent,
         brake={text(k): text(v) for k, v in r.hgetall(keys.custom("prompt_buffer", "brake")).items()} or None,
         degraded={text(k): text(v) for k, v in r.hgetall(keys.custom("ops", "degraded")).items()})

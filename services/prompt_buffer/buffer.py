@@ -27,6 +27,7 @@ import redis
 from services.prompt_buffer.brake import BrakePolicy, why
 from services.prompt_buffer.pacing import PacingInputs, PacingPolicy, version_index
 from services.prompt_buffer.schedule import Cursor, Schedule, prompt_group
+from shared import stats
 from shared.codec import encode_entry
 from shared.errors import DressageError
 from shared.keys import GROUP_ROLLOUT, Keys
@@ -37,7 +38,7 @@ from shared.versionbus import VersionWatcher, read_latest
 
 log = logging.getLogger(__name__)
 SERVICE = "prompt-buffer"
-COUNTERS = ("groups_produced", "groups_trained", "groups_dead_lettered")
+COUNTERS = (stats.GROUPS_PRODUCED, stats.GROUPS_TRAINED, stats.GROUPS_DEAD_LETTERED)
 
 
 def _int(raw: Any, key: str) -> int:
@@ -65,7 +66,7 @@ class PromptBuffer:
         self.stop = stop or StopFlag()
         self.gauges = gauges
         self.clock = clock
-        self.stats_key = keys.custom("stats")
+        self.stats_key = stats.key(keys)
         self.cursor_key = keys.custom("prompt_buffer", "cursor")
         self.brake_key = keys.custom("prompt_buffer", "brake")
         self.brake = brake or BrakePolicy(None, 60.0)
@@ -147,7 +148,7 @@ class PromptBuffer:
                     pipe.multi()
                     for g in groups:
                         pipe.xadd(self.keys.prompts, encode_entry(g))  # type: ignore[arg-type]
-                    pipe.hincrby(self.stats_key, "groups_produced", len(groups))
+                    pipe.hincrby(self.stats_key, stats.GROUPS_PRODUCED, len(groups))
                     pipe.hset(self.cursor_key, mapping={"epoch": after.epoch, "position": after.position,
                                                         "rows": self.schedule.n_rows})
                     pipe.execute()

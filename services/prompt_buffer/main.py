@@ -14,7 +14,7 @@ from shared.entry import run_service
 from shared.lifecycle import StopFlag
 from shared.streams import consumer_name
 from shared.tasks.dataset import DatasetError, load_dataset
-from shared.telemetry import MetricGauges
+from shared.telemetry import MetricGauges, prometheus_port
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
@@ -22,7 +22,7 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     policy = PacingPolicy(cfg.pacing.max_versions_ahead,
                           groups_per_version(cfg.train.groups_per_batch, cfg.train.update_weights_interval),
                           cfg.pacing.max_in_flight_groups)
-    port = cfg.ops.metrics_port_base + 1 if cfg.ops.metrics_port_base else None
+    port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)
     buffer = PromptBuffer(cfg.redis.client(), cfg.keys(), rows,
                           Schedule(len(rows), cfg.prompt_buffer.shuffle_seed, cfg.prompt_buffer.epochs), policy,
                           n_samples=cfg.prompt_buffer.n_samples, consumer=consumer_name(SERVICE), burst=args.burst,

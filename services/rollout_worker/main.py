@@ -11,7 +11,6 @@ from functools import partial
 from prometheus_client import start_http_server
 
 from services.rollout_worker.agents import check_agent_command
-from services.rollout_worker.metrics import PORT_OFFSET
 from services.rollout_worker.proxy_client import HttpProxyClient
 from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import SERVICE, RolloutWorker
@@ -19,6 +18,7 @@ from shared.config import DressageConfig
 from shared.entry import run_service
 from shared.lifecycle import StopFlag
 from shared.streams import consumer_name
+from shared.telemetry import prometheus_port
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,9 @@ def _args(parser: argparse.ArgumentParser) -> None:
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     check_agent_command(cfg.rollout.agent_command)
     consumer = args.consumer or consumer_name(SERVICE)
-    if cfg.ops.metrics_port_base:
-        start_http_server(cfg.ops.metrics_port_base + PORT_OFFSET + args.replica)
+    port = prometheus_port(cfg.ops.metrics_port_base, SERVICE, args.replica)
+    if port is not None:
+        start_http_server(port)
     key = cfg.rollout.proxy_api_key.get_secret_value() if cfg.rollout.proxy_api_key else None
     proxy = HttpProxyClient(cfg.rollout.proxy_url, key, timeout_s=cfg.rollout.trajectory_timeout_s)
     runner = GroupRunner(proxy, cfg.rollout, consumer)

@@ -1,7 +1,7 @@
 """Prometheus instruments of the rollout worker (process-wide, default registry).
 
 ``main`` exposes them with ``prometheus_client.start_http_server`` on
-``ops.metrics_port_base + 2 + replica`` when a base port is configured. The same events also go
+``shared.telemetry.prometheus_port`` (base + offset + replica) when a base port is configured. The same events also go
 to ``{p}:metrics`` via ``shared.telemetry.report_metrics`` (what ``dressage report`` reads).
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from shared.codes import STALENESS_EXCEEDED
-
-PORT_OFFSET = 2  # rollout-worker's offset from ops.metrics_port_base (team contract)
 
 GROUPS = Counter("dressage_rollout_groups_total", "Prompt-group attempts finished, by outcome",
                  ["outcome"])  # completed | failed | held_upstream_down | skipped_already_acked

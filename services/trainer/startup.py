@@ -28,11 +28,11 @@ from services.trainer.sinks import MetricSinks
 from shared.config import DressageConfig
 from shared.lifecycle import StopFlag
 from shared.modeling import load_model, load_tokenizer, missing_files
+from shared.telemetry import prometheus_port
 from shared.versionbus import read_latest
 
 log = logging.getLogger(__name__)
 
-PROMETHEUS_OFFSET = 4  # ops.metrics_port_base + 4 (ARCHITECTURE: trainer)
 
 
 def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = None,
@@ -69,6 +69,6 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
         return Follower(learner)
     sinks = None
     if with_sinks:
-        port = cfg.ops.metrics_port_base + PROMETHEUS_OFFSET if cfg.ops.metrics_port_base else None
+        port = prometheus_port(cfg.ops.metrics_port_base, "trainer")
         sinks = MetricSinks(port, tc.tensorboard_dir, tc.wandb_project)
     return TrainerLoop(r, cfg, learner, tokenizer, store, plan, restored, stop or StopFlag(), sinks)

@@ -8,7 +8,8 @@ import redis
 from shared.codec import decode_entry, encode_entry
 from shared.keys import Keys
 from shared.schemas import DeadLetter, PromptGroup
-from shared.streams import GroupReader, dead_letter, ensure_group, handoff, reclaim, trim_acked
+from shared.stats import add_dead_letter
+from shared.streams import GroupReader, ensure_group, handoff, reclaim, trim_acked
 
 
 def pg(i: int) -> PromptGroup:
@@ -79,13 +80,17 @@ def test_dead_letter_keeps_bytes_and_acks(redis_client: redis.Redis, keys: Keys)
     ensure_group(redis_client, keys.rollouts, "collector")
     eid = redis_client.xadd(keys.rollouts, {"schema": "1", "body": b"\xff\xfe\x00"})
     GroupReader(redis_client, keys.rollouts, "collector", "c").read(count=1, block_ms=10)
-    dead_letter(redis_client, keys, "malformed", "body: not msgpack", keys.rollouts, eid,
-                redis_client.xrange(keys.rollouts)[0][1], ack_group="collector")
+    pipe = redis_client.pipeline(transaction=True)
+    add_dead_letter(pipe, keys, "malformed", "body: not msgpack " + "x" * 5000, keys.rollouts, eid,
+                    redis_client.xrange(keys.rollouts)[0][1], "poison_dead_lettered")
+    pipe.xack(keys.rollouts, "collector", eid)
+    pipe.execute()
     assert redis_client.xpending(keys.rollouts, "collector")["pending"] == 0
     [(_, fields)] = redis_client.xrange(keys.dead)
     assert fields[b"reason"] == b"malformed"
     letter = decode_entry(fields, DeadLetter)
     assert letter.fields["body"] == b"\xff\xfe\x00" and letter.source_id == eid.decode()
+    assert len(letter.error) == 1000 and redis_client.hget(keys.custom("stats"), "poison_dead_lettered") == b"1"
 
 
 def test_trim_never_removes_pending_or_undelivered_entries(redis_client: redis.Redis, keys: Keys) -> None:
