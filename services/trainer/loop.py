@@ -41,6 +41,7 @@ from shared.errors import MalformedEntry
 from shared.evaluation import enqueue_eval, pinned_checkpoints
 from shared.keys import GROUP_TRAINER
 from shared.lifecycle import StopFlag
+from shared.modeling.compat import make_loadable
 from shared.phases import PhaseClock
 from shared.schemas import Batch, WeightVersion
 from shared.streams import Entry, GroupReader, dead_letter_fields, ensure_group, reclaim
@@ -280,6 +281,7 @@ class TrainerLoop:
         def save_weights(d: Any) -> None:
             self.learner.model.save_pretrained(d, safe_serialization=True, state_dict=weights)  # None: its own
             self.tokenizer.save_pretrained(d)
+            make_loadable(d)  # transformers 4.5x (SGLang's pin) reads the checkpoint too
 
         info = self.store.write(version, self.learner.step, save_weights, state)
         self.version, self.batches_trained, self.groups_trained = version, batches_trained, groups_trained

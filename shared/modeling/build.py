@@ -29,6 +29,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from shared.errors import DressageError
 from shared.modeling.architecture import ModelSpec, build_model, count_parameters
+from shared.modeling.compat import make_loadable
 from shared.modeling.loading import (
     ModelNotFound,
     load_model,
@@ -110,6 +111,7 @@ def _split_rows(task: Any, options: WarmStartOptions, seed: int) -> tuple[list[d
 def _write_dir(model: PreTrainedModel, tok: PreTrainedTokenizerBase, info: dict[str, Any], tmp: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     save_tokenizer(tok, tmp)  # type: ignore[arg-type]
+    make_loadable(tmp)  # config.json too: transformers 4.5x (SGLang's pin) must read it
     (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     missing = missing_files(tmp)
     if missing:  # a transformers change would show up here, not at load time in a service
