@@ -67,3 +67,13 @@ def make_cluster(tmp_path: Path, model_dir: Path, engine: Engine) -> Iterator[Ca
     yield make
     for c in made:
         c.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test here is a ``chaos`` test (``-m "not chaos"`` skips the tier); the soak is also ``slow``."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.chaos)
+            if Path(str(item.fspath)).name == "test_chaos_soak.py":
+                item.add_marker(pytest.mark.slow)
