@@ -10,8 +10,8 @@ arrive while an update runs are coalesced: only the newest pending one is loaded
 engine load is logged, counted and reported in ``state()``; the proxy still resumes (tokens are
 tagged by the engine with the version it really used, so records stay truthful).
 
-Catch-up: the applied version becomes the controller's ``target``; an engine that fails to load
-it, or that the controller later finds behind (restarted, loaded elsewhere), is held back from
+Catch-up: every version updated to becomes the controller's ``target`` (even if no engine could
+load it at that moment); an engine that fails to load it, or that the controller later finds behind (restarted, loaded elsewhere), is held back from
 routing and gets ``catch_up``: one load of the applied version, serialised with updates, retried
 by the proxy's engine health check until the engine serves it.
 """
@@ -41,7 +41,7 @@ class WeightUpdater:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self.applied: str | None = None  # last version loaded (into at least one engine)
-        self.applied_wv: WeightVersion | None = None  # ... and where it lives, for catch-up loads
+        self.applied_wv: WeightVersion | None = None  # the newest version updated to (the target), for catch-ups
         self._catching_up: dict[str, asyncio.Task[None]] = {}
         self.check_timeout_s = 5.0  # a version probe of a stopped (SIGSTOP) engine must not hang a catch-up
         self.last: dict[str, Any] = {}  # outcome of the last update, for /v1/rollout/state
@@ -86,7 +86,10 @@ class WeightUpdater:
                 results = {f"engine{i}": r for i, r in enumerate(outcomes)}
             finally:
                 ok = any(r in ("loaded", "already_loaded") for r in results.values())
-                if ok:  # before resuming: no chunk is routed to an engine that did not load it
+                # Before resuming: no chunk is routed to an engine that did not load it. The newest
+                # published version is the target even when no engine could load it now (down,
+                # restarting): those engines are held back and caught up to it, never to an older one.
+                if results:
                     self.applied_wv = wv
                     self.controller.set_target(wv.version)
                     for url, r in zip(self.client.engines, results.values(), strict=True):

@@ -176,3 +176,22 @@ def test_every_engine_refusing_waits_for_one_to_come_back_bounded() -> None:
 
     waited = run(flow)
     assert 0.4 <= waited < 5 and ctl.behind == {E1}
+
+
+def test_versions_published_while_the_engine_was_down_are_the_catch_up_target() -> None:
+    """The trainer published 4 and 5 while the engine was restarting: it must come back on 5, not 3."""
+    eng = FakeEngine(version="0", stop_after=2)
+    ctl, updater = setup({E1: eng})
+
+    async def flow() -> Any:
+        await updater.apply(wv("3"))
+        eng.fail_update = True  # down: every load fails
+        await updater.apply(wv("4"))
+        await updater.apply(wv("5"))
+        assert ctl.target == "5" and ctl.behind == {E1}
+        eng.fail_update, eng.version = False, "0"  # back, on its initial weights
+        ctl.mark_behind(E1, "health check: version 0")
+        return await ctl.generate("s1", [], [1], 4, SAMPLING, partial=True)
+
+    gen = run(flow)
+    assert set(gen.versions) == {"5"} and eng.version == "5"
