@@ -156,6 +156,12 @@ def dead_letter_fields(reason: str, error: str, source_stream: str, source_id: b
     return out
 
 
+def next_id(entry_id: bytes | str) -> str:
+    """The smallest stream id after ``entry_id`` (an exclusive XRANGE start that Redis 6.2 and fakeredis share)."""
+    ms, _, seq = _decode_key(entry_id).partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
 def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
     s = _decode_key(entry_id)
     ms, _, seq = s.partition("-")

@@ -21,6 +21,7 @@ import redis
 from shared.errors import MalformedEntry, VersionRegression
 from shared.keys import Keys
 from shared.schemas import WeightVersion
+from shared.streams import next_id
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,17 @@ def _parse(raw: Any) -> WeightVersion | None:
         return WeightVersion.model_validate_json(raw)
     except ValueError as exc:
         raise MalformedEntry(f"weights:latest is not a WeightVersion: {exc}") from exc
+
+
+def read_log(r: redis.Redis, keys: Keys, cursor: str = "0-0") -> tuple[str, list[str]]:
+    """Versions published after ``cursor`` in ``{p}:weights:log`` (oldest first) and the new cursor:
+    the one way to follow the publication log incrementally (the collector orders its window by it)."""
+    new = r.xrange(keys.weights_log, min=next_id(cursor), max="+")
+    if not new:
+        return cursor, []
+    last = new[-1][0]
+    versions = [v.decode() if isinstance(v, bytes) else str(v) for _, f in new if (v := f.get(b"version")) is not None]
+    return (last.decode() if isinstance(last, bytes) else str(last)), versions
 
 
 def read_latest(r: redis.Redis, keys: Keys) -> WeightVersion | None:

@@ -31,9 +31,9 @@ from shared.errors import ConfigError, UnsupportedSchema
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import RolloutGroup
-from shared.streams import Entry, GroupReader, ensure_group, reclaim, trim_acked
+from shared.streams import Entry, GroupReader, ensure_group, next_id, reclaim, trim_acked
 from shared.telemetry import Heartbeat, MetricGauges, report_metrics
-from shared.versionbus import VersionWatcher, read_latest
+from shared.versionbus import VersionWatcher, read_latest, read_log
 
 log = logging.getLogger(__name__)
 SERVICE = "group-collector"
@@ -44,12 +44,6 @@ _STAT_METRICS = {"groups_dropped_stale": "staleness/dropped_groups",
 
 def _s(raw: Any) -> str:
     return raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
-
-
-def next_id(entry_id: Any) -> str:
-    """The smallest stream id after ``entry_id`` (an exclusive XRANGE start that Redis 6.2 and fakeredis share)."""
-    ms, _, seq = _s(entry_id).partition("-")
-    return f"{ms}-{int(seq or 0) + 1}"
 
 
 class _Every:
@@ -100,11 +94,10 @@ class GroupCollector:
     def sync_versions(self) -> list[Action]:
         """Read new ``{p}:weights:log`` entries and order the window by the whole log."""
         self._versions_dirty.clear()
-        new = self.r.xrange(self.keys.weights_log, min=next_id(self._log_cursor), max="+")
+        self._log_cursor, new = read_log(self.r, self.keys, self._log_cursor)
         if not new:
             return []
-        self._log_cursor = _s(new[-1][0])
-        self._published.extend(_s(f[b"version"]) for _, f in new if b"version" in f)
+        self._published.extend(new)
         return self.core.on_published(self._published) if self.order_by_published else []
 
     def sync_control(self) -> list[Action]:

@@ -8,14 +8,15 @@ import fakeredis
 import pytest
 from rollout_factory import rollout_group
 
-from services.group_collector.collector import GroupCollector, next_id
+from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
 from shared.codec import decode_entry, encode_entry
 from shared.keys import Keys
 from shared.schemas import Batch, DeadLetter, PromptGroup, RolloutGroup, WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
+from shared.streams import next_id
 from shared.telemetry import read_metrics
-from shared.versionbus import publish_version
+from shared.versionbus import publish_version, read_log
 
 K = Keys("t")
 
@@ -220,3 +221,12 @@ def test_trimming_removes_acknowledged_rollouts_but_never_a_waiting_one(r: faker
     [(entry_id, _)] = r.xrange(K.rollouts)
     assert decode_entry(r.xrange(K.rollouts)[0][1], RolloutGroup).group_id == "g4"
     assert r.xpending(K.rollouts, "collector")["min"] == entry_id
+
+
+def test_the_publication_log_is_read_from_a_cursor_oldest_first(r: fakeredis.FakeRedis) -> None:
+    assert read_log(r, K) == ("0-0", [])
+    publish(r, 1, 2)
+    cursor, versions = read_log(r, K)
+    assert versions == ["1", "2"]
+    publish(r, 3)
+    assert read_log(r, K, cursor)[1] == ["3"] and read_log(r, K, read_log(r, K, cursor)[0])[1] == []
