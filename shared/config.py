@@ -30,20 +30,21 @@ class Section(BaseModel):
 class RedisConfig(Section):
     """Connection to the Redis that carries every stream."""
 
-    url: str = "redis://127.0.0.1:6379/0"  # REDIS_URL also overrides this
+    url: str = "redis://127.0.0.1:6379/0"  # REDIS_URL also overrides this; redis+cluster://, redis+sentinel:// too
     prefix: str = Field(default="dressage", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-{}]+$")
     password: SecretStr | None = None  # REDIS_PASSWORD also overrides this
     require_password: bool = False  # production configs set true: refuse an empty or default password
     socket_timeout_s: float = Field(default=30.0, gt=0, le=600)
     reconnect_backoff_max_s: float = Field(default=5.0, gt=0, le=120)  # bounded exponential backoff cap
+    wait_replicas: int = Field(default=0, ge=0, le=16)  # WAIT for this many replicas after every MULTI (Sentinel)
+    wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000)  # longest WAIT; a short one is logged, not raised
 
     def client(self, decode_responses: bool = False) -> Any:
-        import redis  # local: keep shared.config importable without a Redis client
+        from shared.redisconn import connect  # local: keep shared.config importable without a Redis client
 
         pw = self.password.get_secret_value() if self.password else None
-        return redis.Redis.from_url(self.url, password=pw, decode_responses=decode_responses,
-                                    socket_timeout=self.socket_timeout_s, socket_connect_timeout=5,
-                                    health_check_interval=15)
+        return connect(self.url, pw, decode_responses=decode_responses, socket_timeout=self.socket_timeout_s,
+                       wait_replicas=self.wait_replicas, wait_timeout_ms=self.wait_timeout_ms)
 
 
 class ModelConfig(Section):
@@ -202,6 +203,9 @@ class TrainConfig(Section):
     remember_batch_ids: int = Field(default=10_000, ge=1, le=10_000_000)
     tensorboard_dir: str | None = None  # write TensorBoard scalars here when tensorboard is importable
     wandb_project: str | None = None  # log to wandb when importable (never required)
+    # --- scale-out (torchrun) ---
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP (replicated) or FSDP2 fully_shard (sharded)
+    dist_timeout_s: float = Field(default=600.0, ge=10, le=86_400)  # a collective waiting longer fails the step
 
 
 class EvalConfig(Section):
@@ -211,9 +215,6 @@ class EvalConfig(Section):
     dataset: str = "data/reverse/test.jsonl"
     n_examples: int = Field(default=64, ge=1, le=1_000_000)
     queue: str = "dressage-eval"
-    # --- scale-out (torchrun) ---
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP (replicated) or FSDP2 fully_shard (sharded)
-    dist_timeout_s: float = Field(default=600.0, ge=10, le=86_400)  # a collective waiting longer fails the step
     # --- trainer engineer additions ---
     job_timeout_s: int = Field(default=1800, ge=10, le=86_400)  # rq job timeout per evaluation
     batch_size: int = Field(default=64, ge=1, le=4096)  # prompts decoded together (greedy)
@@ -259,7 +260,10 @@ class DressageConfig(Section):
         return value
 
     def keys(self) -> Keys:
-        return Keys(self.redis.prefix)
+        """Key names of this run; on a Redis Cluster the prefix is a hash tag (``shared.redisconn.run_prefix``)."""
+        from shared.redisconn import run_prefix
+
+        return Keys(run_prefix(self.redis.prefix, self.redis.url))
 
 
 SECTIONS = tuple(DressageConfig.model_fields)

@@ -20,6 +20,7 @@ import redis
 
 from shared.errors import MalformedEntry, VersionRegression
 from shared.keys import Keys
+from shared.redisconn import is_cluster_client
 from shared.schemas import WeightVersion
 from shared.streams import next_id
 
@@ -63,6 +64,7 @@ def read_latest(r: redis.Redis, keys: Keys) -> WeightVersion | None:
 def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: int = 10_000) -> None:
     """Announce ``wv``; refuses a version that is not newer than the one already published."""
     body = wv.model_dump_json()
+    clustered = is_cluster_client(r)
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -75,11 +77,14 @@ def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: i
                 pipe.xadd(keys.weights_log, {"version": wv.version, "path": wv.path, "step": str(wv.step),
                                              "published_at": repr(wv.published_at)},
                           maxlen=log_maxlen, approximate=True)
-                pipe.publish(keys.weights_channel, body)
+                if not clustered:
+                    pipe.publish(keys.weights_channel, body)
                 pipe.execute()
                 break
             except redis.WatchError:
                 continue  # someone published meanwhile: re-check against the new latest
+    if clustered:  # a cluster MULTI refuses PUBLISH (no key); the key is the truth, watchers re-read it each tick
+        r.publish(keys.weights_channel, body)
     log.info("published version=%s step=%d path=%s", wv.version, wv.step, wv.path)
 
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         r = cfg.redis.client()
-        ok = is_alive(r, patterns(cfg.redis.prefix, args.service, args.any))
+        ok = is_alive(r, patterns(cfg.keys().prefix, args.service, args.any))  # hash-tagged on a cluster
     except ConfigError as exc:
         sys.stderr.write(f"health: {exc}\n")
         return 2
