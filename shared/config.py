@@ -149,6 +149,10 @@ class RolloutConfig(Section):
     # OPENAI_BASE_URL pointing at its proxy session; None = the in-process white-box runner.
     agent_command: list[str] | None = Field(default=None, min_length=1, max_length=64)
     agent_tasks: list[str] | None = None  # tasks that use agent_command; None = every task
+    # The only environment variables an agent inherits (an allow-list; docs/security.md).
+    agent_env: list[str] = Field(default_factory=lambda: ["PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ",
+                                                          "TMPDIR", "PYTHONPATH"], max_length=64)
+    agent_uid: int | None = Field(default=None, ge=1, le=2**31)  # run agents as this uid/gid (worker must be root)
     session_cleanup_timeout_s: float = Field(default=5.0, gt=0, le=300)  # DELETE of proxy sessions
 
 

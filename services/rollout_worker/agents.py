@@ -5,37 +5,51 @@
   environment's answer back, until the episode is done.
 * Black-box (``run_blackbox``): an external command is the agent. It gets ``OPENAI_BASE_URL`` =
   ``{proxy}/s/{session}/v1`` (so each of its model calls is recorded in the session),
-  ``OPENAI_API_KEY`` (the proxy key or ``"none"``), ``DRESSAGE_SESSION_ID``, and on stdin the JSON
+  ``OPENAI_API_KEY`` (a per-session token valid only under that base URL, ``shared.edge.session_token``;
+  ``"none"`` without a proxy key), ``DRESSAGE_SESSION_ID``, and on stdin the JSON
   ``{"messages", "task", "max_new_tokens", "temperature", "session_id"}``. It answers on stdout
   with ``{"reply": "..."}`` or plain text and exits 0. The reply is scored by the task verifier
   as the episode's one reply: black-box agents suit single-turn tasks; on a multi-turn task only
   that first reply is scored (the agent sees no environment feedback).
   A non-zero exit fails the trajectory; if the agent printed a proxy error code of THIS run
   (``{"error": "<code>"}`` on stdout, or the code in stderr), that code is the failure's code,
-  so a relayed staleness rejection is classified as one. The agent's environment carries no
-  Redis or Dressage settings (it is untrusted code), and it is killed with its process group on
-  timeout or cancellation.
+  so a relayed staleness rejection is classified as one. The agent is killed with its process group
+  on timeout or cancellation.
+
+Agent code is untrusted (it runs model-written commands). What it is guaranteed NOT to get:
+* any environment variable but the names in ``rollout.agent_env`` (an allow-list: no Redis password,
+  no cloud or Hugging Face token, no proxy key) plus the three above;
+* the worker's environment or memory: ``deny_inspection()`` (called at worker start, Linux) marks the
+  worker non-dumpable, so a same-uid process gets EACCES on ``/proc/<worker>/environ``, ``mem``,
+  ``maps`` and cannot ptrace it; with ``rollout.agent_uid`` (worker started as root) the agent runs
+  as that uid/gid with no supplementary groups, so not even its own files overlap with the worker's;
+* any session but its own: the token authorises ``/s/{session}/v1/*`` of its session only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.proxy_client import ProxyClient
 from shared.codes import PROXY_502_CODES, UPSTREAM_UNAVAILABLE
+from shared.config import RolloutConfig
+from shared.edge import session_token
 from shared.errors import ConfigError
 from shared.tasks import Episode
 
 MAX_AGENT_OUTPUT = 1 << 20  # bytes of stdout read as the reply
 _RELAYED_CODES = (*sorted(PROXY_502_CODES), UPSTREAM_UNAVAILABLE)
-_SECRET_PREFIXES = ("DRESSAGE_", "REDIS_")
+DEFAULT_AGENT_ENV = tuple(RolloutConfig().agent_env)  # the config's default allow-list
+_PR_SET_DUMPABLE = 4
 
 
 async def run_whitebox(proxy: ProxyClient, session_id: str, episode: Episode, max_new_tokens: int,
@@ -46,11 +60,24 @@ async def run_whitebox(proxy: ProxyClient, session_id: str, episode: Episode, ma
         episode.step(reply)
 
 
-def agent_env(base: Mapping[str, str], base_url: str, api_key: str | None, session_id: str) -> dict[str, str]:
-    """The agent's environment: ``base`` without Redis/Dressage settings, plus its session endpoint."""
-    env = {k: v for k, v in base.items() if not k.startswith(_SECRET_PREFIXES)}
-    env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key or "none", "DRESSAGE_SESSION_ID": session_id})
+def agent_env(base: Mapping[str, str], base_url: str, api_key: str | None, session_id: str,
+              allow: tuple[str, ...] | list[str] = DEFAULT_AGENT_ENV) -> dict[str, str]:
+    """The agent's environment: only the ``allow``-listed names of ``base``, plus its session endpoint
+    and its per-session token (never ``api_key`` itself)."""
+    env = {k: base[k] for k in allow if k in base}
+    token = session_token(api_key, session_id) if api_key else "none"
+    env.update({"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": token, "DRESSAGE_SESSION_ID": session_id})
     return env
+
+
+def deny_inspection() -> bool:
+    """Make this process non-dumpable (Linux ``prctl(PR_SET_DUMPABLE, 0)``): other processes of the
+    same uid -- the agents it starts -- can no longer read its ``/proc`` environ/mem or ptrace it.
+    Returns False where the platform has no such switch (then only ``agent_uid`` isolates)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0)
 
 
 def agent_input(task: str, messages: list[dict[str, str]], max_new_tokens: int, temperature: float,
@@ -97,14 +124,16 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 
 async def run_blackbox(command: list[str], proxy: ProxyClient, session_id: str, task: str, episode: Episode,
-                       max_new_tokens: int, temperature: float) -> None:
+                       max_new_tokens: int, temperature: float, allow_env: tuple[str, ...] | list[str] = DEFAULT_AGENT_ENV,
+                       agent_uid: int | None = None) -> None:
     """Run the agent command once for this trajectory and score its reply; raises ``TrajectoryFailed``."""
-    env = agent_env(os.environ, proxy.agent_base_url(session_id), proxy.api_key, session_id)
+    env = agent_env(os.environ, proxy.agent_base_url(session_id), proxy.api_key, session_id, allow_env)
+    ids: dict[str, Any] = {"user": agent_uid, "group": agent_uid, "extra_groups": []} if agent_uid is not None else {}
     payload = agent_input(task, episode.messages(), max_new_tokens, temperature, session_id)
     try:
         proc = await asyncio.create_subprocess_exec(
             *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True, **ids)
     except OSError as exc:
         raise TrajectoryFailed("agent_crash", f"cannot start {command[0]!r}: {exc}", session_id=session_id) from exc
     try:
@@ -120,7 +149,11 @@ async def run_blackbox(command: list[str], proxy: ProxyClient, session_id: str, 
     episode.step(parse_agent_output(stdout))
 
 
-def check_agent_command(command: list[str] | None) -> None:
-    """Refuse at start an agent command whose program cannot be found (names the config key)."""
+def check_agent_command(command: list[str] | None, agent_uid: int | None = None) -> None:
+    """Refuse at start an agent command whose program cannot be found, or an ``agent_uid`` this
+    process cannot switch to (names the config key)."""
     if command and shutil.which(command[0]) is None:
         raise ConfigError(f"rollout.agent_command: program {command[0]!r} not found or not executable")
+    if command and agent_uid is not None and os.geteuid() != 0:
+        raise ConfigError(f"rollout.agent_uid: {agent_uid} needs a worker started as root (it switches the "
+                          f"agent's uid); this worker runs as uid {os.geteuid()}")

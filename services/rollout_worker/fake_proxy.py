@@ -37,6 +37,7 @@ from services.rollout_worker.proxy_client import (
     session_path,
 )
 from shared.codes import OVER_CAPACITY
+from shared.edge import session_token
 from shared.sample_versions import version_spans
 
 ReplyFn = Callable[[str, ChatMessages], str]  # (session_id, messages) -> assistant text
@@ -99,9 +100,12 @@ class FakeProxy:
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
         """Answer one HTTP request like the proxy (no delay; callers sleep ``delay_s``)."""
         headers = {k.lower(): v for k, v in headers.items()}
-        if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
-            return 401, {"detail": {"error": "unauthorized", "message": "bad or missing bearer token"}}
         parts = [unquote(p) for p in path.split("?")[0].strip("/").split("/")]
+        if self.api_key:  # the proxy's rule: the agent key anywhere, a session token under /s/{its session}/v1/
+            sid = parts[1] if parts[0] == "s" and len(parts) > 2 else None
+            granted = {f"Bearer {self.api_key}"} | ({f"Bearer {session_token(self.api_key, sid)}"} if sid else set())
+            if headers.get("authorization") not in granted:
+                return 401, {"detail": {"error": "unauthorized", "message": "bad or missing bearer token"}}
         if method == "POST" and parts[-3:] == ["v1", "chat", "completions"]:
             session = parts[1] if parts[0] == "s" and len(parts) == 5 else headers.get("x-session-id")
             if not session:

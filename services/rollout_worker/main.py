@@ -10,7 +10,7 @@ from functools import partial
 
 from prometheus_client import start_http_server
 
-from services.rollout_worker.agents import check_agent_command
+from services.rollout_worker.agents import check_agent_command, deny_inspection
 from services.rollout_worker.proxy_client import HttpProxyClient
 from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import SERVICE, RolloutWorker
@@ -30,7 +30,10 @@ def _args(parser: argparse.ArgumentParser) -> None:
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
-    check_agent_command(cfg.rollout.agent_command)
+    check_agent_command(cfg.rollout.agent_command, cfg.rollout.agent_uid)
+    if cfg.rollout.agent_command and not deny_inspection():
+        log.warning("this platform cannot deny same-uid inspection: agents could read the worker's environment "
+                    "(set rollout.agent_uid; docs/security.md)")
     consumer = args.consumer or consumer_name(SERVICE)
     port = prometheus_port(cfg.ops.metrics_port_base, SERVICE, args.replica)
     if port is not None:

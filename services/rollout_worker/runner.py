@@ -73,7 +73,8 @@ class GroupRunner:
                 if command is None:
                     await run_whitebox(self.proxy, sid, episode, max_new, self.cfg.temperature)
                 else:
-                    await run_blackbox(command, self.proxy, sid, group.task, episode, max_new, self.cfg.temperature)
+                    await run_blackbox(command, self.proxy, sid, group.task, episode, max_new, self.cfg.temperature,
+                                       self.cfg.agent_env, self.cfg.agent_uid)
                 record = await self.proxy.finalize(sid)
         except TimeoutError as exc:
             raise TrajectoryFailed(TRAJECTORY_TIMEOUT, f"not done after {self.cfg.trajectory_timeout_s}s",
