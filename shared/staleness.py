@@ -51,6 +51,7 @@ from shared.sample_versions import (
     trajectory_version_span,
     version_spans,
 )
+from shared.window_decisions import outside_window
 
 __all__ = [
     "CONTEXT_VERSION",
@@ -240,8 +241,8 @@ class StalenessTracker:
             infos = trajectory_version_infos(group)
             for info in infos:
                 self._add_observed(info.version)
-            cutoff = self.cutoff_version_index
-            return cutoff is not None and any(self._pos[i.version] < cutoff for i in infos)
+            newest = len(self._order) - 1  # the one window rule: shared.window_decisions.outside_window
+            return outside_window([newest - self._pos[i.version] for i in infos], self.config.keep_versions)
 
     def set_keep_versions(self, keep_versions: object) -> bool:
         """Change the window size live (None/0 = off); a bad value raises naming the key.

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from services.group_collector.core import CollectorCore
+from services.group_collector.decisions import DecisionLog
 from services.group_collector.ledger import Ledger
 from services.group_collector.outcomes import Action, Arrival, BatchOut
 from shared.codec import decode_entry
@@ -73,6 +74,7 @@ class GroupCollector:
         self.claim_idle_ms, self.block_ms, self.read_count, self.burst = claim_idle_ms, block_ms, read_count, burst
         self.stop, self.gauges = stop or StopFlag(), gauges
         self.ledger = Ledger(r, keys)
+        self.decisions = DecisionLog(r, keys)
         self.reader = GroupReader(r, keys.rollouts, GROUP_COLLECTOR, consumer)
         self.window_key = keys.custom("collector", "window")
         self._factory = redis_factory or (lambda: r)
@@ -145,6 +147,8 @@ class GroupCollector:
                 queue[:0] = self.core.rejected(action, already)
             elif isinstance(action, BatchOut):
                 self.report(action.metrics)
+            if not already:
+                self.decisions.record(action, self.core.tracker)  # {p}:collector:decisions, replayable
 
     def ready_batches(self) -> int:
         """Batches in ``{p}:batches`` not yet delivered to the trainer group (all, if it has none)."""

@@ -1,0 +1,80 @@
+"""Copy of a run's ``{p}:collector:decisions`` stream into ``<run>/decisions.jsonl``, incrementally.
+
+One ``DecisionRecord`` per line (its JSON, plus ``id``: the stream entry id). ``pull`` reads only
+entries after the last id written, and a re-opened file continues after its last line, so an entry
+is never written twice and ``dressage up`` can call it every tick. The private Redis of a run is
+gone when the run ends; this file is what ``dressage replay RUN`` reads afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from services.group_collector.decisions import decisions_key
+from shared.errors import MalformedEntry
+from shared.keys import Keys
+from shared.window_decisions import DecisionRecord
+
+FILE = "decisions.jsonl"
+
+
+def read_stream(r: redis.Redis, keys: Keys, after: str = "0-0",
+                count: int = 2000) -> list[tuple[str, DecisionRecord]]:
+    """Every record newer than ``after``, oldest first (paged); a malformed entry is skipped."""
+    out: list[tuple[str, DecisionRecord]] = []
+    cursor = after
+    while True:
+        page = r.xrange(decisions_key(keys), min=f"({cursor}", max="+", count=count)
+        for raw_id, fields in page:
+            cursor = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            try:
+                out.append((cursor, DecisionRecord.from_fields(fields)))
+            except MalformedEntry:
+                continue
+        if len(page) < count:
+            return out
+
+
+def load_records(path: Path) -> list[DecisionRecord]:
+    """The records of a decisions.jsonl file; a torn last line (crash mid-write) is skipped."""
+    records: list[DecisionRecord] = []
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+            row.pop("id", None)
+            records.append(DecisionRecord.model_validate(row))
+        except ValueError:  # json and pydantic errors alike
+            continue
+    return records
+
+
+class DecisionFile:
+    """Appends a run's new decision records to ``<run>/decisions.jsonl``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last_id = "0-0"
+        if path.exists():
+            for line in reversed(path.read_text(encoding="utf-8").splitlines()):
+                try:
+                    self.last_id = str(json.loads(line)["id"])
+                    break
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    def pull(self, r: redis.Redis, keys: Keys) -> int:
+        """Append the records newer than the last one written; returns how many."""
+        new = read_stream(r, keys, after=self.last_id)
+        if not new:
+            return 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as fh:
+            for entry_id, rec in new:
+                fh.write(json.dumps({"id": entry_id, **rec.model_dump()}) + "\n")
+        self.last_id = new[-1][0]
+        return len(new)
