@@ -35,7 +35,7 @@ from shared.errors import ConfigError
 from shared.keys import Keys
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
-from shared.versionbus import read_latest
+from shared.versionbus import read_latest, version_number
 
 log = logging.getLogger(__name__)
 DEMO_MAX_STEPS = 40  # used by --demo when neither --max-steps nor train.max_steps is set
@@ -92,9 +92,10 @@ def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
 def wait_final_eval(progress: Progress, every: int, timeout_s: float, stopped: Callable[[], bool]) -> bool:
     """After the trainer's last step, wait (bounded) for the evaluation of the last evaluated version."""
     latest = read_latest(progress.r, progress.keys)
-    if latest is None or not latest.version.isdigit():
+    number = version_number(latest.version) if latest is not None else None
+    if number is None or number < 0:
         return False
-    target = str(int(latest.version) // every * every)
+    target = str(number // every * every)
     deadline = time.monotonic() + timeout_s
     log.info("waiting up to %.0fs for the evaluation of version=%s", timeout_s, target)
     while time.monotonic() < deadline and not stopped():

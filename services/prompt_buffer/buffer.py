@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from services.prompt_buffer.brake import BrakePolicy, why
-from services.prompt_buffer.pacing import PacingInputs, PacingPolicy, version_index
+from services.prompt_buffer.pacing import PacingInputs, PacingPolicy
 from services.prompt_buffer.schedule import Cursor, Schedule, prompt_group
 from shared import stats
 from shared.codec import encode_entry
@@ -34,7 +34,7 @@ from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.streams import ensure_group
 from shared.telemetry import Heartbeat, MetricGauges, report_metrics
-from shared.versionbus import VersionWatcher, read_latest
+from shared.versionbus import VersionWatcher, read_latest, version_index
 
 log = logging.getLogger(__name__)
 SERVICE = "prompt-buffer"

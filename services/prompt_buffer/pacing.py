@@ -72,14 +72,3 @@ class PacingPolicy:
 def groups_per_version(groups_per_batch: int, update_weights_interval: int) -> int:
     """Groups the trainer consumes between two published versions."""
     return groups_per_batch * update_weights_interval
-
-
-def version_index(latest: str | None, log_length: int) -> int | None:
-    """Index of the newest published version: the integer label, else its position in the log."""
-    if latest is None:
-        return None
-    try:
-        value = int(latest)
-    except ValueError:
-        return log_length - 1 if log_length > 0 else None
-    return value if value >= 0 else None

@@ -23,6 +23,7 @@ from services.trainer.loss import sample_advantages, train_masks, trajectory_rew
 from shared.errors import DressageError
 from shared.schemas import Batch
 from shared.staleness import trajectory_version_infos
+from shared.versionbus import versions_behind
 
 
 class InvalidBatch(DressageError):
@@ -154,8 +155,7 @@ def _gaps(batches: Sequence[Batch], current_version: int) -> list[int]:
     for batch in batches:
         for group in batch.groups:
             for info in trajectory_version_infos(group):
-                try:
-                    gaps.append(current_version - int(info.version))
-                except ValueError:
-                    continue
+                gap = versions_behind(current_version, info.version)
+                if gap is not None:
+                    gaps.append(gap)
     return gaps

@@ -24,6 +24,7 @@ from pathlib import Path
 from services.trainer.checkpoint import CheckpointInfo
 from shared.errors import DressageError
 from shared.schemas import WeightVersion
+from shared.versionbus import version_number
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,12 @@ class VersionFormatError(DressageError):
 
 
 def version_index(version: str) -> int:
-    try:
-        return int(version)
-    except ValueError:
+    """The number of a published version the trainer can continue from (it publishes "0", "1", ...)."""
+    number = version_number(version)
+    if number is None:
         raise VersionFormatError(f"weights:latest version {version!r} is not an integer; the trainer "
-                                 "publishes \"0\", \"1\", ... and cannot continue after a foreign label") from None
+                                 "publishes \"0\", \"1\", ... and cannot continue after a foreign label")
+    return number
 
 
 @dataclass(frozen=True)
