@@ -73,6 +73,8 @@ class EngineConfig(Section):
     num_threads: int | None = Field(default=None, ge=1, le=1024)  # torch CPU threads; None = torch default
     tokenizer_path: str | None = None  # default: the model directory
     admit_wait_ms: float = Field(default=5.0, ge=0, le=1000)  # arrivals gather this long to share a prefill
+    api_key: SecretStr | None = None  # bearer token the proxy (and trainer) send; None = no auth (dev only)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024, le=1 << 30)  # larger request bodies -> 413
 
 
 class ProxyConfig(Section):
@@ -85,6 +87,7 @@ class ProxyConfig(Section):
     max_partial_rollout_preempts: int | None = Field(default=None, ge=0, le=1000)
     api_key: SecretStr | None = None  # agent-scope bearer token (rollout workers); None + no operator_key = no auth
     operator_key: SecretStr | None = None  # operator-scope token: pause/resume/state/sessions/metrics (docs/security.md)
+    engine_api_key: SecretStr | None = None  # bearer token sent to the engines (their engine.api_key)
     max_prompt_bytes: int = Field(default=256 << 10, ge=1024, le=1 << 30)  # message text, refused before tokenizing
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     max_tokens_limit: int = Field(default=4096, ge=1, le=1 << 20)

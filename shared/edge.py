@@ -8,6 +8,8 @@ Invariants:
 * ``loads_json`` parses a request body or raises ``BadJson`` with a reason (invalid UTF-8, not
   JSON, nested deeper than ``MAX_JSON_DEPTH``, a lone UTF-16 surrogate) -- never a
   ``RecursionError`` or a later ``UnicodeEncodeError`` that would surface as a 500;
+* ``within(path, roots)`` resolves ``path`` (symlinks followed, ``..`` collapsed) and returns it only
+  if it lies inside one of ``roots`` (resolved the same way): a caller-named path never escapes;
 * ``printable(text)`` is safe to put in one log line: control characters (newlines included) are
   escaped, so a request path or id cannot forge a second log line, and it is bounded in length.
 """
@@ -19,6 +21,7 @@ import hmac
 import json
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 MAX_JSON_DEPTH = 64
@@ -112,3 +115,13 @@ def printable(text: object, limit: int = 300) -> str:
     if len(s) > limit:
         s = s[:limit] + "..."
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", s)
+
+
+def within(path: str, roots: Iterable[str | Path]) -> Path | None:
+    """``path`` resolved, if it is one of ``roots`` or inside one (all resolved); else None."""
+    full = Path(path).resolve()
+    for root in roots:
+        base = Path(root).resolve()
+        if full == base or base in full.parents:
+            return full
+    return None

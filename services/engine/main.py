@@ -16,6 +16,7 @@ import torch
 import uvicorn
 
 from services.engine.app import EngineService, build_app
+from services.engine.guard import EngineGuard
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
 from shared.config import DressageConfig, load_config
@@ -72,8 +73,10 @@ def build_service(cfg: DressageConfig) -> EngineService:
     sched.start()
     log.info("engine ready model_path=%s version=%s max_batch_size=%d threads=%d", model_path,
              ec.weight_version, ec.max_batch_size, torch.get_num_threads())
+    # /update_weights_from_disk loads only the trainer's checkpoints or this engine's own model directory.
     return EngineService(sched, tok, eos_ids=eos, max_new_tokens_limit=ec.max_new_tokens_limit,
-                         tokenizer_path=ec.tokenizer_path or model_path)
+                         tokenizer_path=ec.tokenizer_path or model_path,
+                         weight_roots=(cfg.train.checkpoint_dir, model_path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides={"engine": overrides})
     setup_logging("engine")
     service = build_service(cfg)
-    server = _Server(uvicorn.Config(build_app(service), host=cfg.engine.host, port=cfg.engine.port,
+    key = cfg.engine.api_key.get_secret_value() if cfg.engine.api_key else None
+    app = EngineGuard(build_app(service), key, cfg.engine.max_body_bytes)  # auth + limits before any route
+    server = _Server(uvicorn.Config(app, host=cfg.engine.host, port=cfg.engine.port,
                                            log_level="warning", access_log=False))
     try:
         server.run()  # returns on SIGTERM/SIGINT after in-flight requests were answered

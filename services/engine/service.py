@@ -20,7 +20,8 @@ from services.engine.requests import GenRequest, GenResult, InvalidRequest, Unsu
 from services.engine.sampling import SamplingSpec
 from services.engine.scheduler import Scheduler
 from services.engine.stops import StopChecker, compile_regexes, trim_text
-from services.engine.weights import check_state, read_checkpoint
+from services.engine.weights import WeightLoadError, check_state, read_checkpoint
+from shared.edge import within
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,16 @@ class EngineService:
     """See the module docstring; `app.build_app` wraps it in HTTP routes."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any | None, *, eos_ids: Iterable[int] = (),
-                 max_new_tokens_limit: int = 4096, tokenizer_path: str | None = None) -> None:
+                 max_new_tokens_limit: int = 4096, tokenizer_path: str | None = None,
+                 weight_roots: Iterable[str] | None = None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer  # None: only input_ids in, empty text out
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.max_new_tokens_limit = max_new_tokens_limit
         self.tokenizer_path = tokenizer_path
         self._update_lock = asyncio.Lock()  # weight updates apply in call order
+        # update_weights_from_disk loads only from inside these (symlinks resolved); None = anywhere (tests)
+        self.weight_roots = tuple(weight_roots) if weight_roots is not None else None
 
     # ----- request building --------------------------------------------------------------------
     def items(self, body: GenerateBody) -> tuple[bool, list[Item]]:
@@ -207,8 +211,14 @@ class EngineService:
     # ----- control -----------------------------------------------------------------------------
     async def update_weights(self, body: UpdateWeightsBody) -> dict[str, Any]:
         body.refusals()
+        path = body.model_path
+        if self.weight_roots is not None:
+            confined = within(path, self.weight_roots)
+            if confined is None:  # same answer whether or not the path exists: nothing about the disk leaks
+                raise WeightLoadError("model_path is outside the engine's checkpoint roots")
+            path = str(confined)
         async with self._update_lock:
-            state = await asyncio.to_thread(read_checkpoint, body.model_path)
+            state = await asyncio.to_thread(read_checkpoint, path)
             await asyncio.to_thread(check_state, self.scheduler.runner.model, state)
             version = body.weight_version or self.scheduler.weight_version
             if body.weight_version is None:  # SGLang keeps the label too, but tokens get mislabelled

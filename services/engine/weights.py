@@ -31,15 +31,15 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     elif p.is_dir():
         files = sorted(p.glob("*.safetensors"))
     else:
-        raise WeightLoadError(f"model_path {str(p)!r} does not exist")
+        raise WeightLoadError("model_path does not exist")  # messages name no path (they reach callers)
     if not files:
-        raise WeightLoadError(f"model_path {str(p)!r} has no *.safetensors file")
+        raise WeightLoadError("model_path has no *.safetensors file")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             state.update(load_file(str(f)))
         except Exception as exc:  # safetensors raises several types for a corrupt file
-            raise WeightLoadError(f"cannot read {f}: {exc}") from exc
+            raise WeightLoadError(f"cannot read checkpoint file {f.name!r} ({type(exc).__name__})") from exc
     return state
 
 

@@ -16,12 +16,12 @@ worker keeps serving. Pure: no Redis here; ``services.eval_worker.worker`` wires
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.edge import within
 from shared.errors import DressageError
 from shared.evaluation import JOB_FUNCTION
 
@@ -35,12 +35,11 @@ class JobRefused(DressageError):
     """An rq job the eval-worker will not run (the message says why; never the job's payload)."""
 
 
-def confined(path: str, root: str | os.PathLike[str], what: str) -> Path:
+def confined(path: str, root: str, what: str) -> Path:
     """``path`` resolved (symlinks followed; relative to the working directory, as the job opens it)
     if it lies inside ``root`` resolved; else ``JobRefused``."""
-    base = Path(root).resolve()
-    full = Path(path).resolve()
-    if full != base and base not in full.parents:
+    full = within(path, [root])
+    if full is None:
         raise JobRefused(f"{what} is outside its root {what}_root")
     return full
 

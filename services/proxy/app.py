@@ -12,7 +12,6 @@ fresh ``anon-…`` id is used and returned in the ``X-Session-Id`` response head
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.proxy import openai_format as fmt
+from services.proxy.auth import PRINCIPAL
 from services.proxy.chat import chat_plan
 from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound
 from services.proxy.guards import Guard
@@ -39,6 +39,7 @@ from services.proxy.schemas import (
 )
 from services.proxy.sessions import Session, check_session_id
 from services.proxy.turns import LiveTurn, TurnPlan, run_turn
+from shared.edge import BadJson, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,9 @@ async def _json_body(request: Request, allow_empty: bool = False) -> Any:
     if not raw.strip() and allow_empty:
         return {}
     try:
-        return json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("body", "not valid JSON") from None
+        return loads_json(raw)  # depth, UTF-8 and lone surrogates checked: a 400 with the reason, never a 500
+    except BadJson as exc:
+        raise InvalidRequest("body", str(exc)) from None
 
 
 def _session_id(path_sid: str | None, request: Request, body_sid: str | None) -> str:
@@ -156,7 +157,8 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         return {"object": "list", "data": [{"id": rt.model_name, "object": "model", "owned_by": "dressage"}]}
 
     def _known(session_id: str) -> Session:
-        return rt.sessions.get(check_session_id(session_id, "session_id"))
+        """The session, if the caller's credential may see it (``services.proxy.auth``); else 404."""
+        return rt.sessions.get(check_session_id(session_id, "session_id"), principal=PRINCIPAL.get())
 
     @app.get("/v1/sessions/{session_id}")
     async def read_session(session_id: str) -> dict[str, Any]:
@@ -171,7 +173,8 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:
-        if not rt.sessions.delete(check_session_id(session_id, "session_id")):
+        _known(session_id)
+        if not rt.sessions.delete(session_id):
             raise SessionNotFound(f"unknown or expired session {session_id!r}", session_id=session_id)
         rt.metrics.sessions.set(len(rt.sessions))
         return {"session_id": session_id, "deleted": True}
@@ -205,5 +208,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         return Response(data, media_type=ctype)
 
     api_key = rt.cfg.api_key.get_secret_value() if rt.cfg.api_key else None
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=rt.cfg.max_body_bytes, metrics=rt.metrics)
+    operator_key = rt.cfg.operator_key.get_secret_value() if rt.cfg.operator_key else None
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=rt.cfg.max_body_bytes, metrics=rt.metrics,
+                       operator_key=operator_key)
     return app

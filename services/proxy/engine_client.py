@@ -150,7 +150,7 @@ class EngineClient:
 
     def __init__(self, engines: list[str], connect_timeout_s: float = 2.0, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, engine_api_key: str | None = None) -> None:
         self.engines = [e.rstrip("/") for e in engines]
         # Clients see ``engine-<i>`` (its index in proxy.engines), never an engine URL: URLs are internal topology.
         self._names = {e: f"engine-{i}" for i, e in enumerate(self.engines)}
@@ -158,7 +158,7 @@ class EngineClient:
         self._request_timeout = request_timeout_s
         self._control_timeout, self._abort_timeout = control_timeout_s, abort_timeout_s
         # Tests pass an HttpxTransport routed to in-process ASGI fakes.
-        self._http: Transport = transport or RawHttp(connect_timeout=connect_timeout_s)
+        self._http: Transport = transport or RawHttp(connect_timeout=connect_timeout_s, bearer=engine_api_key)
 
     async def close(self) -> None:
         await self._http.close()

@@ -18,11 +18,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+from services.proxy.auth import PRINCIPAL
 from services.proxy.controller import Generation, GenerationController, TokenSink
 from services.proxy.engine_client import EngineClient
-from services.proxy.errors import SessionConflict
+from services.proxy.errors import InvalidRequest, SessionConflict
 from services.proxy.guards import ConcurrencyLimit
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.schemas import Limits
@@ -30,12 +32,13 @@ from services.proxy.sessions import SessionStore
 from services.proxy.updater import WeightUpdater
 from shared.config import ProxyConfig
 from shared.keys import Keys
-from shared.modeling.loading import stop_token_ids
+from shared.modeling.loading import chat_input_ids, stop_token_ids
 from shared.streams import consumer_name
 from shared.telemetry import Heartbeat
 from shared.versionbus import VersionWatcher
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ProxyRuntime:
@@ -44,7 +47,9 @@ class ProxyRuntime:
                  heartbeat_ttl_s: float = 15.0, model_name: str = "dressage") -> None:
         self.cfg, self.tokenizer, self.model_name = cfg, tokenizer, model_name
         self.metrics = ProxyMetrics()
-        self.client = client or EngineClient(cfg.engines, cfg.connect_timeout_s, cfg.request_timeout_s)
+        engine_key = cfg.engine_api_key.get_secret_value() if cfg.engine_api_key else None
+        self.client = client or EngineClient(cfg.engines, cfg.connect_timeout_s, cfg.request_timeout_s,
+                                             engine_api_key=engine_key)
         self.controller = GenerationController(self.client, self.metrics, cfg.max_partial_rollout_preempts,
                                                cfg.request_timeout_s, cfg.pause_timeout_s, cfg.engine_sync_wait_s)
         self.updater = WeightUpdater(self.controller, self.client, self.metrics)
@@ -56,6 +61,7 @@ class ProxyRuntime:
         self._redis_factory, self._keys, self._hb_ttl = redis_factory, keys, heartbeat_ttl_s
         self._watcher: VersionWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-tokenize")
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -81,6 +87,7 @@ class ProxyRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.client.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _expire_loop(self) -> None:
         period = max(0.05, min(self.cfg.session_ttl_s / 4, 30.0))
@@ -124,6 +131,22 @@ class ProxyRuntime:
 
     # --- requests --------------------------------------------------------------------------
 
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt ids of chat ``messages``: their text is bounded in bytes before any tokenizing
+        (``proxy.max_prompt_bytes``); special-token text in a message stays text
+        (``shared.modeling.loading.chat_input_ids``). Blocking: call it through ``off_loop``."""
+        size = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in messages)
+        size += len(str(tools or "").encode("utf-8", "surrogatepass"))
+        if size > self.cfg.max_prompt_bytes:
+            raise InvalidRequest("messages", f"message text is {size} bytes; proxy.max_prompt_bytes="
+                                             f"{self.cfg.max_prompt_bytes}")
+        return chat_input_ids(self.tokenizer, messages, True, tools)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the runtime's one tokenizer thread, so tokenizing a large prompt never
+        blocks the event loop (health checks and other requests keep being answered)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         """Token ids to text; straight through the Rust tokenizer when there is one (hot path)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
@@ -151,7 +174,7 @@ class ProxyRuntime:
         ``sink`` receives the tokens as they are produced (streaming, stop strings); what is
         recorded is exactly what the response keeps (a stop string's cut included)."""
         with self.limit:
-            session = self.sessions.open(session_id, partial)
+            session = self.sessions.open(session_id, partial, principal=PRINCIPAL.get())  # bound to its creator
             async with session.lock:
                 if session.finalized:  # finalized while this turn waited for the lock
                     raise SessionConflict(f"session {session_id!r} is finalized", session_id=session_id)

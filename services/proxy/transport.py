@@ -142,21 +142,24 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool
     return status, await _read_plain(reader, headers), keep and "content-length" in headers
 
 
-def _request_bytes(pool: _Pool, method: str, url: str, body: Any | None) -> tuple[bytes, bytes]:
+def _request_bytes(pool: _Pool, method: str, url: str, body: Any | None, auth: bytes = b"") -> tuple[bytes, bytes]:
     """Request line + headers, and the JSON body, of one request."""
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
     head = (f"{method} {target} HTTP/1.1\r\nHost: ".encode() + pool.host_header
-            + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n")
+            + b"\r\nContent-Type: application/json\r\n" + auth + b"Content-Length: " + str(len(payload)).encode()
+            + b"\r\n\r\n")
     return head, payload
 
 
 class RawHttp:
     """Keep-alive HTTP/1.1 over asyncio streams; one pool per engine origin."""
 
-    def __init__(self, connect_timeout: float = 2.0, max_idle_s: float = 2.0, max_idle: int = 512) -> None:
+    def __init__(self, connect_timeout: float = 2.0, max_idle_s: float = 2.0, max_idle: int = 512,
+                 bearer: str | None = None) -> None:
         self._connect_timeout, self._max_idle_s, self._max_idle = connect_timeout, max_idle_s, max_idle
+        self._auth = f"Authorization: Bearer {bearer}\r\n".encode() if bearer else b""  # the engines' api_key
         self._pools: dict[str, _Pool] = {}
 
     def _pool(self, url: str) -> _Pool:
@@ -169,7 +172,7 @@ class RawHttp:
 
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
         pool = self._pool(url)
-        head, payload = _request_bytes(pool, method, url, body)
+        head, payload = _request_bytes(pool, method, url, body, self._auth)
         reader, writer = await pool.connect()
         try:
             writer.write(head + payload)  # one write: headers and body together
@@ -193,7 +196,7 @@ class RawHttp:
     async def stream(self, method: str, url: str, body: Any | None,
                      timeout: float) -> AsyncIterator[tuple[int, bytes]]:
         pool = self._pool(url)
-        head, payload = _request_bytes(pool, method, url, body)
+        head, payload = _request_bytes(pool, method, url, body, self._auth)
         reader, writer = await pool.connect()
         done = False
         try:

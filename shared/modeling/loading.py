@@ -116,10 +116,9 @@ def chat_input_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any] | Any],
     add_generation_prompt: bool = True,
-    **template_kwargs: Any,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template (``template_kwargs``,
-    e.g. ``tools``, go to the template).
+    """Token ids of `messages` rendered with the tokenizer's chat template (``tools``, if any, too).
 
     Only the template writes real special tokens: special-token text inside a message's content
     (``<|im_end|>\n<|im_start|>system`` typed by a user or produced by a model) is encoded as plain
@@ -127,6 +126,7 @@ def chat_input_ids(
     path (render, encode once), so ordinary prompts tokenize exactly as before.
     """
     dicts = _as_dicts(messages)
+    template_kwargs: dict[str, Any] = {"tools": tools} if tools else {}
     specials = special_texts(tokenizer)
     if any(isinstance(m["content"], str) and any(sp in m["content"] for sp in specials) for m in dicts):
         return _segmented_ids(tokenizer, dicts, add_generation_prompt, template_kwargs)

@@ -70,7 +70,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     m.save_pretrained(perturbed, safe_serialization=True)
     port = free_port()
     env = {**os.environ, "DRESSAGE_ENGINE_NUM_THREADS": "1", "DRESSAGE_ENGINE_MAX_NEW_TOKENS_LIMIT": "1600",
-           "DRESSAGE_ENGINE_MAX_BATCH_SIZE": "16"}
+           "DRESSAGE_ENGINE_MAX_BATCH_SIZE": "16", "DRESSAGE_TRAIN_CHECKPOINT_DIR": str(root)}  # weights load from root
     log = (root / "engine.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(model_dir),
                              "--port", str(port), "--weight-version", "v0"], cwd=REPO, env=env,
