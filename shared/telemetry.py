@@ -88,30 +88,75 @@ class Heartbeat:
             pass
 
 
-class MetricGauges:
-    """Prometheus mirror of a service's ``report_metrics`` dict: one gauge per numeric metric.
+# Reported metrics that only grow (cumulative counts): exposed as Prometheus counters (`_total`).
+CUMULATIVE_PREFIXES = ("pipeline/", "stats/")
+CUMULATIVE = frozenset({"prompt_buffer/groups_produced", "staleness/dropped_groups",
+                        "staleness/partial_rollout_rejected_groups", "staleness/partial_rollout_rejected_samples"})
 
-    Gauges live in a private registry (several services or tests in one process never clash) and
-    are created on first sight; ``staleness/version_gap_max`` becomes ``dressage_staleness_version_gap_max``.
-    ``port`` starts ``prometheus_client``'s HTTP server for this registry (None = no server).
+
+def is_cumulative(name: str) -> bool:
+    return name in CUMULATIVE or name.startswith(CUMULATIVE_PREFIXES)
+
+
+def prom_name(name: str) -> str:
+    """Prometheus name of a reported metric, by the naming conventions.
+
+    ``area/metric`` -> ``dressage_area_metric`` with the area said once
+    (``train/train_rollout_logprob_abs_diff`` -> ``dressage_train_rollout_logprob_abs_diff``),
+    base units spelled out (``_s`` -> ``_seconds``, ``_per_s`` -> ``_per_second``), characters
+    outside ``[a-zA-Z0-9_]`` -> ``_``. Counters get ``_total`` from the client library.
+    """
+    area, _, metric = name.partition("/")
+    if metric and (metric == area or metric.startswith(area + "_")):
+        metric = metric[len(area) + 1:] if metric != area else ""
+    flat = "_".join(part for part in (area, metric) if part)
+    flat = "".join(c if c.isalnum() or c == "_" else "_" for c in flat)
+    if flat.endswith("_per_s"):
+        flat = flat[:-2] + "_second"
+    elif flat.endswith("_s"):
+        flat += "econds"
+    return "dressage_" + flat
+
+
+class MetricGauges:
+    """Prometheus mirror of a service's ``report_metrics`` dict: one series per numeric metric.
+
+    Series live in a private registry (several services or tests in one process never clash) and
+    appear on first sight, named by `prom_name`; cumulative counts (`is_cumulative`) are counters
+    (``..._total``), everything else gauges. ``port`` starts ``prometheus_client``'s HTTP server
+    for this registry (None = no server).
     """
 
     def __init__(self, port: int | None = None) -> None:
         from prometheus_client import CollectorRegistry, start_http_server  # local: optional at import
 
-        self.registry = CollectorRegistry()
-        self._gauges: dict[str, Any] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._values: dict[str, float] = {}
+        self.registry.register(_Snapshot(self._values))
         if port is not None:
             start_http_server(port, addr="0.0.0.0", registry=self.registry)
 
     def set(self, metrics: Mapping[str, Any]) -> None:
-        from prometheus_client import Gauge
-
         for name, value in metrics.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                prom = "dressage_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-                gauge = self._gauges[name] = Gauge(prom, name, registry=self.registry)
-            gauge.set(value)
+            self._values[name] = float(value)
+
+
+class _Snapshot:
+    """Collector over the last reported values (read at scrape time)."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        seen: set[str] = set()
+        for name, value in sorted(dict(self.values).items()):
+            prom = prom_name(name)
+            if prom in seen:  # two report names that map to one series: keep the first
+                continue
+            seen.add(prom)
+            family = CounterMetricFamily if is_cumulative(name) else GaugeMetricFamily
+            yield family(prom, name, value=value)

@@ -7,16 +7,21 @@ from collections.abc import Callable
 from functools import partial
 
 from services.eval_worker.admission import JobPolicy
+from services.eval_worker.metrics import serve_metrics
 from services.eval_worker.worker import SERVICE, build_worker, run_worker
 from shared.config import DressageConfig
 from shared.entry import run_service
 from shared.streams import consumer_name
+from shared.telemetry import prometheus_port
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     worker = build_worker(cfg.redis.client(), cfg.keys(), cfg.eval.queue, consumer_name(SERVICE),
                           cfg.ops.heartbeat_ttl_s,
                           policy=JobPolicy(checkpoint_root=cfg.train.checkpoint_dir, data_root=cfg.eval.data_root))
+    port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)
+    if port is not None and not args.burst:
+        serve_metrics(worker, port)
     return partial(run_worker, worker, args.burst)
 
 

@@ -1,0 +1,107 @@
+"""Every ``/metrics`` endpoint docs/operations.md lists, scraped in a real ``dressage up`` run.
+
+Each scrape must parse with ``prometheus_client``'s text parser and follow the naming
+conventions: counters expose ``_total`` samples, durations are ``_seconds`` (never ``_s``), no
+area is said twice (``dressage_train_train_...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_up_e2e import CONFIG, REPO, model_dir, wait_for  # noqa: F401 (model_dir is a fixture)
+
+from services.ops.metricslog import load_rows
+from shared.telemetry import prometheus_port
+
+pytestmark = pytest.mark.slow
+
+
+def free_base(span: int = 16) -> int:
+    """A base port whose next `span` ports are free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + span < 65535 and all(_free(base + i) for i in range(span)):
+            return base
+    raise AssertionError("no free port range")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def check_scrape(name: str, text: str) -> set[str]:
+    """Parse `text`; return the metric family names after checking the conventions."""
+    families = list(text_string_to_metric_families(text))
+    names = set()
+    for fam in families:
+        names.add(fam.name)
+        assert "_train_train_" not in fam.name, (name, fam.name)
+        assert not fam.name.endswith("_s"), (name, fam.name)
+        if fam.type == "counter":
+            assert not fam.samples or any(s.name.endswith("_total") for s in fam.samples), (name, fam.name)
+        if fam.name.startswith("dressage_") and fam.type == "gauge":
+            assert not fam.name.endswith("_total"), (name, fam.name)  # a gauge named like a counter
+    return names
+
+
+def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    base = free_base()
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model_dir), "PYTHONUNBUFFERED": "1",
+           "DRESSAGE_OPS_METRICS_PORT_BASE": str(base), "DRESSAGE_TRAIN_MAX_STEPS": "6"}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--config", CONFIG, "--run-dir", str(run_dir),
+                             "--quiet"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_for(lambda: sum(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")) >= 1,
+                 240, proc)
+        run = json.loads((run_dir / "run.json").read_text())
+        targets = {
+            "engine": f"http://127.0.0.1:{run['engine_port']}/metrics",
+            "proxy": f"http://127.0.0.1:{run['proxy_port']}/metrics",
+            "prompt-buffer": f"http://127.0.0.1:{prometheus_port(base, 'prompt-buffer')}/metrics",
+            "group-collector": f"http://127.0.0.1:{prometheus_port(base, 'group-collector')}/metrics",
+            "trainer": f"http://127.0.0.1:{prometheus_port(base, 'trainer')}/metrics",
+            "eval-worker": f"http://127.0.0.1:{prometheus_port(base, 'eval-worker')}/metrics",
+            "rollout-worker-1": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', 8)}/metrics",
+            "rollout-worker-2": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', 9)}/metrics",
+        }
+        seen: dict[str, set[str]] = {}
+        deadline = time.monotonic() + 60
+        for name, url in targets.items():
+            while True:
+                try:
+                    r = httpx.get(url, timeout=5)
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, f"{name} serves no /metrics at {url}"
+                    time.sleep(0.5)
+            assert r.status_code == 200, (name, r.status_code)
+            seen[name] = check_scrape(name, r.text)
+        assert {"dressage_engine_num_running_reqs", "dressage_engine_num_queue_reqs", "dressage_engine_gen_throughput",
+                "dressage_engine_token_usage", "dressage_engine_generation_tokens"} <= seen["engine"]
+        assert "dressage_proxy_requests" in seen["proxy"]
+        assert "dressage_train_rollout_logprob_abs_diff" in seen["trainer"], seen["trainer"]
+        assert "dressage_eval_jobs_succeeded" in seen["eval-worker"]
+        assert any(n.startswith("dressage_rollout_") for n in seen["rollout-worker-1"])
+    finally:
+        proc.terminate()
+        proc.wait(60)
