@@ -21,6 +21,7 @@ import redis
 from shared.errors import MalformedEntry, VersionRegression
 from shared.keys import Keys
 from shared.redisconn import is_cluster_client
+from shared.retry import Backoff
 from shared.schemas import WeightVersion
 from shared.streams import next_id
 
@@ -188,7 +189,7 @@ class VersionWatcher:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(max_s=self._backoff_max)
         while not self._stop.is_set():
             try:
                 r = self._factory()
@@ -196,7 +197,7 @@ class VersionWatcher:
                 pubsub.subscribe(self._keys.weights_channel)
                 try:
                     self.refresh(r)  # after subscribing: nothing published from now on can be missed
-                    backoff = 0.1
+                    backoff.reset()
                     while not self._stop.is_set():
                         msg = pubsub.get_message(timeout=self._poll_s)
                         # On a message *and* on every timer tick the key is the truth.
@@ -209,7 +210,7 @@ class VersionWatcher:
                     except redis.RedisError:
                         pass
             except (redis.RedisError, OSError, MalformedEntry) as exc:
-                log.warning("version watcher error (%s: %s); retrying in %.1fs", type(exc).__name__, exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self._backoff_max)
+                delay = backoff.next()
+                log.warning("version watcher error (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
+                self._stop.wait(delay)
 

@@ -28,6 +28,7 @@ from services.group_collector.ledger import Ledger
 from services.group_collector.outcomes import Action, Arrival, BatchOut
 from shared.codec import decode_entry
 from shared.codes import MALFORMED, UNSUPPORTED_SCHEMA
+from shared.consumer import ConsumerLoop
 from shared.errors import ConfigError, UnsupportedSchema
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.lifecycle import StopFlag
@@ -67,12 +68,13 @@ class GroupCollector:
                  block_ms: int = 500, read_count: int = 64, control_poll_s: float = 1.0,
                  trim_interval_s: float = 10.0, metrics_interval_s: float = 5.0, burst: bool = False,
                  heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
-                 stop: StopFlag | None = None, gauges: MetricGauges | None = None) -> None:
+                 stop: StopFlag | None = None, gauges: MetricGauges | None = None, backoff_max_s: float = 5.0) -> None:
         self.r, self.keys, self.core, self.consumer = r, keys, core, consumer
         self.default_keep_versions, self.max_ready_batches = default_keep_versions, max_ready_batches
         self.order_by_published = order_by_published
         self.claim_idle_ms, self.block_ms, self.read_count, self.burst = claim_idle_ms, block_ms, read_count, burst
         self.stop, self.gauges = stop or StopFlag(), gauges
+        self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
         self.ledger = Ledger(r, keys)
         self.decisions = DecisionLog(r, keys)
         self.reader = GroupReader(r, keys.rollouts, GROUP_COLLECTOR, consumer)
@@ -236,23 +238,13 @@ class GroupCollector:
     def run(self) -> int:
         """Collect until stopped (burst: until no entry is left to read); returns the exit code."""
         self.setup()
-        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._versions_dirty.set())
+        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._versions_dirty.set(),
+                                 backoff_max_s=self.loop.backoff.max_s)
         if not self.burst:
             watcher.start()
-        backoff = 0.1
         try:
-            while not self.stop.is_set:
-                try:
-                    n = self.step(None if self.burst else self.block_ms)
-                    backoff = 0.1
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                    self.reader.reset()  # re-read our pending entries after reconnecting
-                    self.stop.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                if self.burst and n == 0:
-                    break
+            self.loop.run(lambda: self.step(None if self.burst else self.block_ms) > 0,
+                          recover=self.reader.reset)  # re-read our pending entries after reconnecting
         finally:
             watcher.stop()
         log.info("group-collector stopping; %d group(s) left pending for the next run", len(self.core.waiting))

@@ -29,7 +29,8 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
                           trim_interval_s=c.trim_interval_s, metrics_interval_s=c.metrics_interval_s,
                           burst=args.burst, heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s,
                           redis_factory=cfg.redis.client, stop=StopFlag().install(),
-                          gauges=None if args.burst else MetricGauges(port)).run
+                          gauges=None if args.burst else MetricGauges(port),
+                          backoff_max_s=cfg.redis.reconnect_backoff_max_s).run
 
 
 def main(argv: list[str] | None = None) -> int:

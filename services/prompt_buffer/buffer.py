@@ -29,6 +29,7 @@ from services.prompt_buffer.pacing import PacingInputs, PacingPolicy
 from services.prompt_buffer.schedule import Cursor, Schedule, prompt_group
 from shared import stats
 from shared.codec import encode_entry
+from shared.consumer import ConsumerLoop
 from shared.errors import DressageError
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
@@ -59,11 +60,13 @@ class PromptBuffer:
                  poll_s: float = 0.2, max_stream_len: int = 100_000, chunk: int = 64,
                  heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
                  stop: StopFlag | None = None, gauges: MetricGauges | None = None,
-                 clock: Callable[[], float] = time.time, brake: BrakePolicy | None = None) -> None:
+                 clock: Callable[[], float] = time.time, brake: BrakePolicy | None = None,
+                 backoff_max_s: float = 5.0) -> None:
         self.r, self.keys, self.rows, self.schedule, self.policy = r, keys, rows, schedule, policy
         self.n_samples, self.consumer, self.burst = n_samples, consumer, burst
         self.poll_s, self.max_stream_len, self.chunk = poll_s, max_stream_len, chunk
         self.stop = stop or StopFlag()
+        self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
         self.gauges = gauges
         self.clock = clock
         self.stats_key = stats.key(keys)
@@ -194,33 +197,29 @@ class PromptBuffer:
 
     def run(self) -> int:
         """Emit until stopped (burst: until nothing more may be emitted now); returns the exit code."""
-        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._wake.set(), poll_s=1.0)
+        watcher = VersionWatcher(self._factory, self.keys, on_version=lambda wv: self._wake.set(), poll_s=1.0,
+                                 backoff_max_s=self.loop.backoff.max_s)
         if not self.burst:
             watcher.start()
         ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)  # deliver from the first entry on
-        backoff = 0.1
         total = 0
+
+        def step() -> bool:
+            nonlocal total
+            emitted = self.step()
+            cursor = self.cursor()
+            exhausted = self.schedule.exhausted(cursor)
+            self._heartbeat.beat({"epoch": cursor.epoch, "position": cursor.position,
+                                  "capacity": self.last_capacity, "exhausted": exhausted, "paused": self.brake_why})
+            total += emitted
+            return emitted > 0 and not (self.burst and exhausted)
+
+        def idle() -> None:
+            self._wake.wait(self.poll_s)  # a new version wakes us at once
+            self._wake.clear()
+
         try:
-            while not self.stop.is_set:
-                try:
-                    emitted = self.step()
-                    cursor = self.cursor()
-                    exhausted = self.schedule.exhausted(cursor)
-                    self._heartbeat.beat({"epoch": cursor.epoch, "position": cursor.position,
-                                          "capacity": self.last_capacity, "exhausted": exhausted,
-                                          "paused": self.brake_why})
-                    backoff = 0.1
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                    self.stop.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                total += emitted
-                if self.burst and (emitted == 0 or exhausted):
-                    break
-                if emitted == 0:
-                    self._wake.wait(self.poll_s)  # a new version wakes us at once
-                    self._wake.clear()
+            self.loop.run(step, idle=idle)
         finally:
             watcher.stop()
         log.info("prompt-buffer stopping after emitting %d group(s) this run", total)

@@ -30,7 +30,8 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, redis_factory=cfg.redis.client,
                           stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port),
                           brake=BrakePolicy(cfg.pacing.dead_letter_brake_per_min,
-                                            cfg.pacing.dead_letter_brake_window_s))
+                                            cfg.pacing.dead_letter_brake_window_s),
+                          backoff_max_s=cfg.redis.reconnect_backoff_max_s)
     return buffer.run
 
 

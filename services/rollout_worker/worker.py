@@ -42,6 +42,7 @@ from shared.config import RolloutConfig
 from shared.errors import MalformedEntry
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
+from shared.retry import Backoff
 from shared.schemas import PromptGroup, RolloutGroup
 from shared.streams import Entry, GroupReader, ensure_group
 from shared.telemetry import Heartbeat, report_metrics
@@ -57,7 +58,8 @@ class RolloutWorker:
                  clock: Callable[[], float] = time.time) -> None:
         self.r, self.keys, self.cfg, self.runner, self.consumer = r, keys, cfg, runner, consumer
         self.stop = stop or StopFlag()
-        self.clock, self.backoff_max_s = clock, backoff_max_s
+        self.clock = clock
+        self.backoff = Backoff(max_s=backoff_max_s)  # consecutive Redis errors
         self.reader = GroupReader(r, keys.prompts, GROUP_ROLLOUT, consumer)
         self.heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
         self.counts: Counter[str] = Counter()  # completed / failed / held / poison / skipped
@@ -65,7 +67,6 @@ class RolloutWorker:
         self._active: set[bytes] = set()  # entry ids being processed now
         self._next_reclaim = 0.0
         self._next_touch = 0.0
-        self._errors = 0  # consecutive Redis errors (backoff)
         self.upstream = UpstreamGate(max_s=cfg.upstream_backoff_max_s)
 
     def run(self, burst: bool = False) -> int:
@@ -143,15 +144,14 @@ class RolloutWorker:
         """``_fetch`` with Redis outages contained: None (not "nothing there") after an error."""
         try:
             entries = await asyncio.to_thread(self._fetch, n, block_ms)
-            self._errors = 0
+            self.backoff.reset()
             return entries
         except redis.RedisError as exc:
             await self._backoff("read", exc)
             return None
 
     async def _backoff(self, what: str, exc: Exception) -> None:
-        self._errors += 1
-        delay = min(self.backoff_max_s, 0.1 * 2 ** min(self._errors, 10))
+        delay = self.backoff.next()
         log.warning("redis error during %s (retry in %.1fs): %s", what, delay, exc)
         if "NOGROUP" in str(exc):
             try:

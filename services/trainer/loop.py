@@ -37,6 +37,7 @@ from services.trainer.resume import ResumePlan, version_index
 from services.trainer.sinks import MetricSinks
 from shared.codec import decode_entry, entry_ids
 from shared.config import DressageConfig
+from shared.consumer import ConsumerLoop
 from shared.errors import MalformedEntry
 from shared.evaluation import enqueue_eval, pinned_checkpoints
 from shared.keys import GROUP_TRAINER
@@ -124,31 +125,25 @@ class TrainerLoop:
 
     def run(self, burst: bool = False) -> int:
         """Train until stopped (or, in burst mode, until no batch is waiting); returns 0."""
-        backoff = 0.1
         started = False
-        while not self.stop.is_set and not self._done():
+
+        def step() -> bool:
+            nonlocal started
             try:
                 if not started:
                     self.start()
                     started = True
                     self.clock = PhaseClock(PHASES)
-                if not self._iterate(burst):
-                    break
-                backoff = 0.1
+                return self._iterate(burst)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("consumer group %s is gone (Redis lost its data?); re-creating it", GROUP_TRAINER)
                 self.resync()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis error (%s: %s); re-syncing in %.1fs", type(exc).__name__, exc, backoff)
-                self.stop.wait(backoff)
-                backoff = min(backoff * 2, self.cfg.redis.reconnect_backoff_max_s)
-                if started:
-                    try:
-                        self.resync()
-                    except (redis.ConnectionError, redis.TimeoutError):
-                        continue
+                return True
+
+        loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=self.cfg.redis.reconnect_backoff_max_s)
+        loop.run(step, recover=lambda: self.resync() if started else None, done=self._done)
         if self.unsaved:
             log.info("stopping with %d trained-but-unsaved batches pending; they are retrained from version=%d "
                      "after a restart", len(self.unsaved), self.version)
@@ -165,7 +160,7 @@ class TrainerLoop:
             entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
         if not entries:
             self.learner.idle()  # under torchrun: the other ranks hear from rank 0 every block_ms
-            return not burst
+            return False  # nothing waiting: burst mode ends here, otherwise the next read blocks again
         for entry in entries:
             batch = self._accept(entry)
             if batch is not None:
