@@ -15,11 +15,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("services.proxy.main", "LLM proxy with partial rollout and version-span control"),
     "engine": ("services.engine.main", "CPU inference engine speaking SGLang's HTTP API"),
     "group-collector": ("services.group_collector.main", "staleness window + batch assembly"),
+    "window-controller": ("services.window_controller.main", "adaptive keep_versions via {p}:control"),
     "trainer": ("services.trainer.main", "GRPO trainer publishing weight versions"),
     "eval-worker": ("services.eval_worker.main", "rq worker running evaluation jobs"),
     "up": ("services.ops.up", "run every service locally (private Redis if REDIS_URL is unset)"),
     "status": ("services.ops.status", "one screen: streams, groups, versions, window, liveness"),
     "report": ("services.ops.report", "plots and summary of a run"),
+    "replay": ("services.ops.replay", "the collector's window decisions of a run, recomputed for another window"),
     "init-model": ("shared.modeling.cli", "build a tiny HF model (+ warm start) for a task"),
     "make-data": ("shared.tasks.make_data", "generate the built-in task datasets"),
 }

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shared.errors import ConfigError
 from shared.keys import Keys
@@ -166,6 +174,36 @@ class StalenessSection(Section):
     order_by_published: bool = True  # order the window by the trainer's publication log when known
 
 
+class WindowControllerConfig(Section):
+    """The adaptive window (services/window_controller): sets ``keep_versions`` live via ``{p}:control``.
+
+    Off by default. Each tick it reads the trainer's logprob diff and waiting fraction and the
+    collector's drop rate, and moves the window by at most ``max_step`` versions: tighter while the
+    logprob diff is above the target band, wider while the trainer starves or too much is dropped.
+    """
+
+    enabled: bool = False  # `dressage up` starts the controller only when true
+    interval_s: float = Field(default=10.0, gt=0, le=3600)  # one decision per interval
+    min_keep: int = Field(default=1, ge=1, le=1000)  # the window never goes below this (>= 1: never off)
+    max_keep: int = Field(default=8, ge=1, le=10_000)
+    initial_keep: int | None = Field(default=None, ge=1, le=10_000)  # None = staleness.keep_versions (off: max_keep)
+    target_logprob_diff: float = Field(default=0.05, gt=0, le=100)  # train_rollout_logprob_abs_diff aimed at
+    deadband: float = Field(default=0.3, ge=0, le=10)  # no change while diff is within target x (1 +- deadband)
+    max_wait_fraction: float = Field(default=0.2, gt=0, le=1)  # trainer waiting more: widen, never tighten
+    max_drop_rate: float = Field(default=0.4, gt=0, le=1)  # more groups dropped stale than this: widen
+    patience: int = Field(default=3, ge=1, le=1000)  # ticks a proposal must repeat (twice as many to reverse)
+    starve_patience: int = Field(default=1, ge=1, le=1000)  # ticks of starvation before widening
+    stall_ticks: int = Field(default=3, ge=1, le=1000)  # ticks without a trainer step while dropping = starving
+    cooldown: int = Field(default=2, ge=0, le=1000)  # ticks with no change after a change (starvation excepted)
+    max_step: int = Field(default=1, ge=1, le=100)  # largest change of keep_versions per decision
+
+    @model_validator(mode="after")
+    def _bounds(self) -> WindowControllerConfig:
+        if self.min_keep > self.max_keep:
+            raise ValueError(f"min_keep ({self.min_keep}) must be <= max_keep ({self.max_keep})")
+        return self
+
+
 class CollectorConfig(Section):
     """Group collector: window, batch assembly, re-enqueue."""
 
@@ -210,6 +248,16 @@ class TrainConfig(Section):
     remember_batch_ids: int = Field(default=10_000, ge=1, le=10_000_000)
     tensorboard_dir: str | None = None  # write TensorBoard scalars here when tensorboard is importable
     wandb_project: str | None = None  # log to wandb when importable (never required)
+    policy_loss: Literal["clipped", "naive"] = "clipped"  # naive: no clipping, no behaviour-policy correction
+    staleness_weight: Literal["off", "exp", "inverse"] = "off"  # a trajectory's loss weight by its version gap
+    staleness_lambda: float = Field(default=0.5, ge=0, le=100)  # exp: exp(-lambda*gap); inverse: 1/(1+lambda*gap)
+
+    @model_validator(mode="after")
+    def _naive_has_no_correction(self) -> TrainConfig:
+        if self.policy_loss == "naive" and self.tis_cap is not None:
+            raise ValueError("policy_loss 'naive' has no behaviour-policy correction: leave tis_cap unset")
+        return self
+
     # --- scale-out (torchrun) ---
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: DDP (replicated) or FSDP2 fully_shard (sharded)
     dist_timeout_s: float = Field(default=600.0, ge=10, le=86_400)  # a collective waiting longer fails the step
@@ -252,6 +300,7 @@ class DressageConfig(Section):
     pacing: PacingConfig = Field(default_factory=PacingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     staleness: StalenessSection = Field(default_factory=StalenessSection)
+    window_controller: WindowControllerConfig = Field(default_factory=WindowControllerConfig)
     collector: CollectorConfig = Field(default_factory=CollectorConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

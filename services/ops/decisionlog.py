@@ -9,6 +9,7 @@ gone when the run ends; this file is what ``dressage replay RUN`` reads afterwar
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import redis
@@ -18,6 +19,7 @@ from shared.errors import MalformedEntry
 from shared.keys import Keys
 from shared.window_decisions import DecisionRecord
 
+log = logging.getLogger(__name__)
 FILE = "decisions.jsonl"
 
 
@@ -78,3 +80,11 @@ class DecisionFile:
                 fh.write(json.dumps({"id": entry_id, **rec.model_dump()}) + "\n")
         self.last_id = new[-1][0]
         return len(new)
+
+    def sync(self, r: redis.Redis, keys: Keys) -> int:
+        """``pull``, but a Redis error (restarting, gone) is logged and retried at the next call."""
+        try:
+            return self.pull(r, keys)
+        except redis.RedisError as exc:
+            log.debug("decision log: cannot read Redis (%s); will retry", exc)
+            return 0

@@ -111,6 +111,8 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         proc("trainer", TIER_CONSUMERS, ends_run=True),
         proc("group-collector", TIER_CONSUMERS),
     ]
+    if cfg.window_controller.enabled:  # the adaptive window: its failure leaves the last window in force
+        specs.append(proc("window-controller", TIER_CONSUMERS, optional=True))
     if cfg.eval.every_versions > 0:
         specs.append(proc("eval-worker", TIER_CONSUMERS, optional=True))  # its failure never ends the run
     specs.append(proc("prompt-buffer", TIER_SOURCE, may_finish=True))

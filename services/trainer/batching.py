@@ -5,7 +5,8 @@ Contract:
   on: no completed group with samples, a token id outside the vocabulary, a sequence longer than
   the model's context, a sample with loss on no token. The loop dead-letters such a batch.
 * ``build_rows`` turns the batches of one optimizer step into rows (one per sample) carrying the
-  GRPO advantage of its trajectory and its train mask (``loss.train_masks``). Failed groups carry
+  GRPO advantage of its trajectory, its train mask (``loss.train_masks``) and, when asked, the
+  staleness weight of its trajectory's version gap (``loss.staleness_weight``). Failed groups carry
   no samples to train and are skipped.
 * ``micro_batches`` + ``collate`` pad rows on the right into ``[B, T]`` tensors, grouped by length
   so little compute goes to padding; the order of rows inside a step does not change the gradient.
@@ -14,14 +15,14 @@ Contract:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from services.trainer.loss import sample_advantages, train_masks, trajectory_rewards
 from shared.errors import DressageError
-from shared.schemas import Batch
+from shared.schemas import Batch, RolloutGroup
 from shared.staleness import trajectory_version_infos
 from shared.versionbus import versions_behind
 
@@ -38,6 +39,7 @@ class TrainRow:
     mask: list[int]  # 1 = token carries loss (loss_mask, position 0 off, optional version mask)
     rollout_logprobs: list[float]  # behaviour-policy logprob per token (0.0 where mask is 0)
     advantage: float  # GRPO advantage of the sample's trajectory
+    weight: float = 1.0  # staleness weight of the sample's trajectory (1 = unweighted)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Tensors:
     mask: torch.Tensor  # float, 1 on loss tokens
     rollout_logp: torch.Tensor  # float32 behaviour logprobs
     advantages: torch.Tensor  # float32 [B]
+    weights: torch.Tensor  # float32 [B], the rows' staleness weights
 
 
 def validate_batch(batch: Batch, vocab_size: int, max_len: int) -> None:
@@ -92,8 +95,13 @@ def validate_batch(batch: Batch, vocab_size: int, max_len: int) -> None:
         raise InvalidBatch(f"groups: batch {batch.batch_id} has no completed group with samples")
 
 
-def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool) -> StepRows:
-    """Rows, trajectory rewards and group counts of one optimizer step."""
+def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool,
+               current_version: int | None = None, weight: Callable[[int], float] | None = None) -> StepRows:
+    """Rows, trajectory rewards and group counts of one optimizer step.
+
+    With ``weight`` and ``current_version``, each row carries ``weight(gap)`` of its trajectory's gap
+    (``trajectory_gaps``); a trajectory without a numbered end version weighs ``weight(0)``.
+    """
     out = StepRows()
     for batch in batches:
         for group in batch.groups:
@@ -105,8 +113,10 @@ def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool
             out.rewards.extend(trajectory_rewards(samples))
             advantages = sample_advantages(samples, std_normalize)
             masks = train_masks(samples, mask_nonlast)
+            gaps = trajectory_gaps(group, current_version) if weight and current_version is not None else {}
             for s, adv, mask in zip(samples, advantages, masks, strict=True):
-                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv))
+                w = weight(gaps.get(s.traj_id, 0)) if weight else 1.0
+                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv, w))
     return out
 
 
@@ -131,7 +141,9 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
         mask[b, :k] = torch.tensor(r.mask, dtype=torch.float32)
         logp[b, :k] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device))
+    weights = torch.tensor([r.weight for r in rows], dtype=torch.float32)
+    return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device),
+                   weights.to(device))
 
 
 def version_gap_hist(batches: Sequence[Batch], current_version: int) -> dict[str, int]:
@@ -150,12 +162,15 @@ def version_gap(batches: Sequence[Batch], current_version: int) -> tuple[float, 
     return sum(gaps) / len(gaps), max(gaps)
 
 
-def _gaps(batches: Sequence[Batch], current_version: int) -> list[int]:
-    gaps: list[int] = []
-    for batch in batches:
-        for group in batch.groups:
-            for info in trajectory_version_infos(group):
-                gap = versions_behind(current_version, info.version)
-                if gap is not None:
-                    gaps.append(gap)
+def trajectory_gaps(group: RolloutGroup, current_version: int) -> dict[str, int]:
+    """traj_id -> versions its end version is behind ``current_version`` (foreign labels absent)."""
+    gaps: dict[str, int] = {}
+    for info in trajectory_version_infos(group):
+        gap = versions_behind(current_version, info.version)
+        if gap is not None:
+            gaps[info.key] = gap
     return gaps
+
+
+def _gaps(batches: Sequence[Batch], current_version: int) -> list[int]:
+    return [g for batch in batches for group in batch.groups for g in trajectory_gaps(group, current_version).values()]

@@ -22,6 +22,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,14 +30,14 @@ from transformers import PreTrainedModel
 
 from services.trainer.batching import build_rows, collate, micro_batches, validate_batch
 from services.trainer.faults import fault_point
-from services.trainer.loss import LossConfig, entropy_sum, policy_loss, token_logprobs
+from services.trainer.loss import LossConfig, entropy_sum, policy_loss, staleness_weight, token_logprobs
 from services.trainer.parallel import Parallel, Shard, split_rows
 from shared.config import TrainConfig
 from shared.schemas import Batch
 
 log = logging.getLogger(__name__)
 
-SUM_KEYS = ("entropy", "clip_frac", "logprob_abs_diff", "kl", "tis_weight")  # per-token sums reduced over ranks
+SUM_KEYS = ("entropy", "clip_frac", "logprob_abs_diff", "kl", "tis_weight", "staleness_weight")  # reduced over ranks
 
 
 def _warmup(steps: int) -> Any:
@@ -65,7 +66,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(cfg.warmup_steps))
         self.loss_cfg = LossConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                                   tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef)
+                                   tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, naive=cfg.policy_loss == "naive")
+        self.weighted = cfg.staleness_weight != "off"  # soft staleness weights (loss.staleness_weight)
         self.step = 0
 
     @property
@@ -92,10 +94,16 @@ class Learner:
             logits = self.ref_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
             return token_logprobs(logits, input_ids)
 
-    def train_step(self, batches: Sequence[Batch]) -> dict[str, float]:
-        """One optimizer step on ``batches`` (already validated); returns the step's metrics."""
+    def train_step(self, batches: Sequence[Batch], current_version: int | None = None) -> dict[str, float]:
+        """One optimizer step on ``batches`` (already validated); returns the step's metrics.
+
+        ``current_version``: the version being trained (the newest checkpoint's); staleness weights
+        measure each trajectory's gap from it (without it every trajectory weighs 1).
+        """
         t0 = time.perf_counter()
-        data = build_rows(batches, self.cfg.std_normalize, self.cfg.mask_nonlast_version_tokens)
+        weigh = partial(staleness_weight, family=self.cfg.staleness_weight, lam=self.cfg.staleness_lambda)
+        data = build_rows(batches, self.cfg.std_normalize, self.cfg.mask_nonlast_version_tokens,
+                          current_version, weigh if self.weighted else None)
         n_tokens = data.loss_tokens
         if self.parallel.distributed:
             shard = self.parallel.command("step", split_rows(data.rows, self.parallel.world,
@@ -130,6 +138,8 @@ class Learner:
             metrics["train/kl"] = sums["kl"] / denom
         if self.loss_cfg.tis_cap is not None:
             metrics["train/tis_weight_mean"] = sums["tis_weight"] / denom
+        if self.weighted:
+            metrics["train/staleness_weight_mean"] = sums["staleness_weight"] / denom
         return metrics
 
     def train_shard(self, shard: Shard) -> tuple[dict[str, float], float, float, bool]:
@@ -148,7 +158,8 @@ class Learner:
                 logits = self.module(input_ids=t.input_ids, attention_mask=t.attention_mask, use_cache=False).logits
                 logp = token_logprobs(logits, t.input_ids)
                 parts = policy_loss(logp, t.rollout_logp, t.advantages, t.mask, shard.loss_tokens, self.loss_cfg,
-                                    self._ref_logprobs(t.input_ids, t.attention_mask))
+                                    self._ref_logprobs(t.input_ids, t.attention_mask),
+                                    t.weights if self.weighted else None)
                 sums["entropy"] += entropy_sum(logits.detach(), t.mask)
                 del logits
                 if not self.parallel.is_leader:

@@ -220,7 +220,7 @@ class TrainerLoop:
         """One batch = one optimizer step (so pacing's groups per version stay groups_per_batch × interval)."""
         eid, batch = held
         with self.clock.phase("train"):
-            metrics: dict[str, Any] = self.learner.train_step([batch])
+            metrics: dict[str, Any] = self.learner.train_step([batch], max(self.version, 0))  # gap base
         fault_point("after_step")
         gap = version_gap([batch], max(self.version, 0))
         self.unsaved.append(held)

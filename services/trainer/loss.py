@@ -1,4 +1,4 @@
-"""GRPO loss, pure: advantages, loss masks, clipped policy gradient, TIS, KL, logprob diff.
+"""GRPO loss, pure: advantages, loss masks, clipped (or naive) policy gradient, TIS, KL, staleness weights.
 
 Nothing here touches Redis, files or the model; every function maps plain values or tensors to
 values or tensors, so each one is checked on hand-computed cases (tests/unit/test_loss.py).
@@ -11,6 +11,8 @@ Conventions (one per token position ``t`` of a padded ``[B, T]`` batch):
 
 Invariant: the loss is a token-level mean over *all* loss tokens of an optimizer step; the
 caller passes that count as ``n_tokens`` so micro-batches add up to exactly the full-batch loss.
+Staleness weights (``staleness_weight``) scale a sequence's tokens inside that sum and leave the
+denominator alone: a stale trajectory contributes less, a fresh one never more than unweighted.
 """
 
 from __future__ import annotations
@@ -137,6 +139,25 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+# --- staleness weights ------------------------------------------------------------------------
+
+STALENESS_WEIGHTS = ("off", "exp", "inverse")  # the families of train.staleness_weight
+
+
+def staleness_weight(gap: int, family: str, lam: float) -> float:
+    """Loss weight of a trajectory ``gap`` versions behind the policy being trained.
+
+    ``off``: 1. ``exp``: ``exp(-lam * gap)``. ``inverse``: ``1 / (1 + lam * gap)``. Both families are
+    1 at gap 0, non-increasing in ``gap`` and in ``lam``, and stay in (0, 1]; a gap <= 0 (fresh, or a
+    version the trainer cannot order) weighs 1, so no trajectory is ever up-weighted.
+    """
+    if family not in STALENESS_WEIGHTS:
+        raise ValueError(f"train.staleness_weight must be one of {STALENESS_WEIGHTS}, got {family!r}")
+    if family == "off" or gap <= 0:
+        return 1.0
+    return math.exp(-lam * gap) if family == "exp" else 1.0 / (1.0 + lam * gap)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """The knobs of the policy loss (mirrors ``train.*`` in the config)."""
@@ -145,6 +166,11 @@ class LossConfig:
     clip_eps_high: float | None = None  # None = clip_eps (symmetric)
     tis_cap: float | None = None  # truncated importance-sampling cap; None = off
     kl_coef: float = 0.0  # weight of the k3 KL to the reference; 0 = off
+    naive: bool = False  # no clipping, no behaviour-policy correction (train.policy_loss = "naive")
+
+    def __post_init__(self) -> None:
+        if self.naive and self.tis_cap is not None:
+            raise ValueError("train.policy_loss 'naive' has no behaviour-policy correction: tis_cap must be unset")
 
 
 @dataclass
@@ -163,8 +189,9 @@ def policy_loss(
     n_tokens: int,
     cfg: LossConfig,
     ref_logp: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> LossParts:
-    """Clipped policy-gradient loss of one micro-batch.
+    """Clipped policy-gradient loss of one micro-batch (``weights``: one staleness weight per sequence).
 
     Without TIS the PPO ratio is taken against the behaviour policy, ``r = exp(logp - rollout_logp)``
     and the per-token loss is ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``.
@@ -172,16 +199,24 @@ def policy_loss(
     policy before the update (``logp`` detached; one optimizer step per batch makes that the
     proximal policy) and the token loss is multiplied by the detached truncated weight
     ``min(exp(logp_old - rollout_logp), tis_cap)``. With ``kl_coef`` > 0, ``kl_coef * k3`` is added.
+    The naive loss (``cfg.naive``) treats every token as on-policy: ``-A * exp(logp - sg(logp))``,
+    which is ``-A`` in value and ``-A * grad logp`` in gradient -- no ratio to the behaviour policy and
+    no clipping, the loss under which staleness is expected to hurt. ``weights`` (``[B]``) multiply
+    each sequence's token losses (KL included).
     """
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
-    old = logp.detach() if cfg.tis_cap is not None else rollout_logp
-    ratio = torch.exp(logp - old)
-    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-    clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + high)
-    surr, surr_clipped = ratio * adv, clipped_ratio * adv
-    per_token = -torch.minimum(surr, surr_clipped)
-    clipped = (surr_clipped < surr).to(logp.dtype)
+    if cfg.naive:
+        per_token = -torch.exp(logp - logp.detach()) * adv
+        clipped = torch.zeros_like(logp)
+    else:
+        old = logp.detach() if cfg.tis_cap is not None else rollout_logp
+        ratio = torch.exp(logp - old)
+        high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+        clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + high)
+        surr, surr_clipped = ratio * adv, clipped_ratio * adv
+        per_token = -torch.minimum(surr, surr_clipped)
+        clipped = (surr_clipped < surr).to(logp.dtype)
     sums: dict[str, float] = {}
     if cfg.tis_cap is not None:
         weight = torch.exp(logp.detach() - rollout_logp).clamp(max=cfg.tis_cap)
@@ -193,6 +228,10 @@ def policy_loss(
         kl = kl_k3(logp, ref_logp)
         per_token = per_token + cfg.kl_coef * kl
         sums["kl"] = float((kl.detach() * mask).sum())
+    if weights is not None:
+        w = weights.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+        per_token = per_token * w
+        sums["staleness_weight"] = float((w * mask).sum())
     denom = max(int(n_tokens), 1)
     loss = (per_token * mask).sum() / denom
     sums["clip_frac"] = float((clipped * mask).sum())

@@ -1,0 +1,131 @@
+"""The adaptive window's Redis shell: measure, decide (``policy.decide``), act through ``{p}:control``.
+
+It acts through the operator's own control path: ``HSET {p}:control keep_versions N``, which the
+group-collector re-reads every ``collector.control_poll_s`` and applies to the waiting groups at
+once. Every tick -- change or not -- is one INFO log line and one ``{p}:window_controller:decisions``
+entry (capped) carrying the inputs (logprob diff, waiting fraction, drop rate, new trainer steps),
+the proposal, the reason, and the window before and after; ``window_controller/*`` metrics follow.
+
+An operator who sets ``keep_versions`` by hand while the controller runs is followed: the controller
+adopts the value it finds (bounded by its own limits on its next change) and logs that it did.
+Burst mode reads every trainer step already recorded, makes one decision and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import redis
+
+from services.window_controller.policy import Decision, Signals, State, decide, initial_state
+from services.window_controller.signals import SignalReader
+from shared.config import WindowControllerConfig
+from shared.keys import Keys
+from shared.lifecycle import StopFlag
+from shared.telemetry import Heartbeat, report_metrics
+
+log = logging.getLogger(__name__)
+SERVICE = "window-controller"
+DECISIONS_MAXLEN = 10_000
+
+
+def decisions_key(keys: Keys) -> str:
+    """The ``{p}:window_controller:decisions`` stream."""
+    return keys.custom("window_controller", "decisions")
+
+
+def _opt(x: float | None) -> str:
+    return "" if x is None else f"{x:.6g}"
+
+
+class WindowController:
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: WindowControllerConfig, default_keep: int, *,
+                 consumer: str = "window-controller", burst: bool = False, heartbeat_ttl_s: float = 15.0,
+                 stop: StopFlag | None = None, reader: SignalReader | None = None) -> None:
+        self.r, self.keys, self.cfg, self.burst = r, keys, cfg, burst
+        self.stop = stop or StopFlag()
+        self.reader = reader or SignalReader(r, keys)
+        if burst:
+            self.reader.cursor = "0-0"  # burst: decide on everything already recorded
+        self.state: State = initial_state(cfg, cfg.initial_keep or default_keep)
+        self.written: str | None = None  # the last keep_versions this controller wrote
+        self._heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
+
+    def _control(self) -> str | None:
+        raw = self.r.hget(self.keys.control, "keep_versions")
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def _write(self, keep: int) -> None:
+        self.r.hset(self.keys.control, "keep_versions", str(keep))
+        self.written = str(keep)
+
+    def start(self) -> None:
+        """Take over the live window: an operator's value if set, else the configured start."""
+        current = self._control()
+        if current is not None and current.strip().isdigit() and current.isascii() and int(current) > 0:
+            self.state = initial_state(self.cfg, int(current))
+        self._write(self.state.keep)
+        if not self.burst:
+            self.reader.prime()
+        log.info("window controller started keep_versions=%d (bounds %d..%d, target logprob diff %.4g)",
+                 self.state.keep, self.cfg.min_keep, self.cfg.max_keep, self.cfg.target_logprob_diff)
+
+    def _follow_operator(self) -> None:
+        current = self._control()
+        if current is None or current == self.written:
+            return
+        if current.strip().isdigit() and current.isascii() and int(current) > 0:
+            log.info("operator set keep_versions=%s (controller had %s): following it", current, self.written)
+            self.state = replace(self.state, keep=int(current), streak=0)
+            self.written = current
+        else:  # off, or a bad value the collector ignores: put ours back
+            log.warning("keep_versions=%r in %s is not a window this controller keeps; restoring %d",
+                        current, self.keys.control, self.state.keep)
+            self._write(self.state.keep)
+
+    def tick(self) -> Decision:
+        self._follow_operator()
+        signals = self.reader.read()
+        decision = decide(self.cfg, self.state, signals)
+        self.state = decision.state
+        if decision.changed:
+            self._write(decision.after)
+        self._record(decision, signals)
+        return decision
+
+    def _record(self, d: Decision, s: Signals) -> None:
+        log.info("window decision keep_versions=%d->%d proposal=%+d reason=%s logprob_diff=%s wait_fraction=%s "
+                 "drop_rate=%s trainer_steps=%d floor=%d", d.before, d.after, d.proposal, d.reason,
+                 _opt(s.logprob_diff), _opt(s.wait_fraction), _opt(s.drop_rate), s.steps, d.state.floor)
+        fields = {"keep_before": str(d.before), "keep_after": str(d.after), "proposal": str(d.proposal),
+                  "reason": d.reason, "logprob_diff": _opt(s.logprob_diff), "wait_fraction": _opt(s.wait_fraction),
+                  "drop_rate": _opt(s.drop_rate), "trainer_steps": str(s.steps), "floor": str(d.state.floor),
+                  "target_logprob_diff": f"{self.cfg.target_logprob_diff:.6g}", "at": f"{time.time():.3f}"}
+        self.r.xadd(decisions_key(self.keys), fields, maxlen=DECISIONS_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        report_metrics(self.r, self.keys, SERVICE, {"window_controller/keep_versions": d.after,
+                                                    "window_controller/changed": int(d.changed),
+                                                    "window_controller/proposal": d.proposal})
+
+    def run(self) -> int:
+        backoff = 0.1
+        started = False
+        while not self.stop.is_set:
+            try:
+                if not started:
+                    self.start()
+                    started = True
+                self.tick()
+                self._heartbeat.beat({"keep_versions": self.state.keep})
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            if self.burst:
+                break
+            self.stop.wait(self.cfg.interval_s)
+        log.info("window controller stopping keep_versions=%d", self.state.keep)
+        return 0
