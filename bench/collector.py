@@ -26,6 +26,7 @@ from streams_hop import hop_rate, raw_rate, realistic_group  # noqa: E402
 from services.group_collector.collector import GroupCollector  # noqa: E402
 from services.group_collector.core import CollectorCore  # noqa: E402
 from shared.codec import encode_entry  # noqa: E402
+from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys  # noqa: E402
 from shared.redisproc import RedisProcess  # noqa: E402
 from shared.schemas import WeightVersion  # noqa: E402
@@ -42,8 +43,8 @@ def collector_rate(r: redis.Redis, entries: list[dict[str, bytes]], per_batch: i
         pipe.xadd(keys.rollouts, fields)  # type: ignore[arg-type]
     pipe.execute()
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(2))), per_batch, 2)
-    collector = GroupCollector(r, keys, core, consumer="bench", default_keep_versions=2,
-                               max_ready_batches=10**6, read_count=64, burst=True, trim_interval_s=0)
+    collector = GroupCollector(r, keys, core, CollectorConfig(max_ready_batches=1000, read_count=64, trim_interval_s=0),
+                               StalenessSection(keep_versions=2), consumer="bench", burst=True)
     start = time.perf_counter()
     collector.run()
     rate = len(entries) / (time.perf_counter() - start)

@@ -28,6 +28,7 @@ from services.group_collector.ledger import Ledger
 from services.group_collector.outcomes import Action, Arrival, BatchOut
 from shared.codec import decode_entry
 from shared.codes import MALFORMED, UNSUPPORTED_SCHEMA
+from shared.config import CollectorConfig, StalenessSection
 from shared.consumer import ConsumerLoop
 from shared.errors import ConfigError, UnsupportedSchema
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
@@ -63,16 +64,12 @@ class _Every:
 
 
 class GroupCollector:
-    def __init__(self, r: redis.Redis, keys: Keys, core: CollectorCore, *, consumer: str,
-                 default_keep_versions: int, order_by_published: bool = True, max_ready_batches: int = 1, claim_idle_ms: int = 30_000,
-                 block_ms: int = 500, read_count: int = 64, control_poll_s: float = 1.0,
-                 trim_interval_s: float = 10.0, metrics_interval_s: float = 5.0, burst: bool = False,
-                 heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
-                 stop: StopFlag | None = None, gauges: MetricGauges | None = None, backoff_max_s: float = 5.0) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, core: CollectorCore, cfg: CollectorConfig,
+                 staleness: StalenessSection, *, consumer: str, burst: bool = False, heartbeat_ttl_s: float = 15.0,
+                 backoff_max_s: float = 5.0, redis_factory: Callable[[], redis.Redis] | None = None,
+                 stop: StopFlag | None = None, gauges: MetricGauges | None = None) -> None:
         self.r, self.keys, self.core, self.consumer = r, keys, core, consumer
-        self.default_keep_versions, self.max_ready_batches = default_keep_versions, max_ready_batches
-        self.order_by_published = order_by_published
-        self.claim_idle_ms, self.block_ms, self.read_count, self.burst = claim_idle_ms, block_ms, read_count, burst
+        self.cfg, self.staleness, self.burst = cfg, staleness, burst
         self.stop, self.gauges = stop or StopFlag(), gauges
         self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
         self.ledger = Ledger(r, keys)
@@ -86,11 +83,11 @@ class GroupCollector:
         self._log_cursor = "0-0"  # last {p}:weights:log entry read
         self._published: list[str] = []
         self._keep_raw: object = object()  # last keep_versions value applied (sentinel: none yet)
-        self._control = _Every(control_poll_s)
-        self._reclaim = _Every(claim_idle_ms / 2000)
-        self._touch = _Every(claim_idle_ms / 3000)
-        self._trim = _Every(trim_interval_s)
-        self._metrics = _Every(metrics_interval_s)
+        self._control = _Every(cfg.control_poll_s)
+        self._reclaim = _Every(cfg.claim_idle_ms / 2000)
+        self._touch = _Every(cfg.claim_idle_ms / 3000)
+        self._trim = _Every(cfg.trim_interval_s)
+        self._metrics = _Every(cfg.metrics_interval_s)
         self._window_written: dict[str, str] = {}
 
     # --- inputs: versions, control, entries -------------------------------------------------
@@ -102,12 +99,12 @@ class GroupCollector:
         if not new:
             return []
         self._published.extend(new)
-        return self.core.on_published(self._published) if self.order_by_published else []
+        return self.core.on_published(self._published) if self.staleness.order_by_published else []
 
     def sync_control(self) -> list[Action]:
         """Apply ``{p}:control`` field ``keep_versions`` (absent → the config value) when it changes."""
         raw = self.r.hget(self.keys.control, "keep_versions")
-        value: object = _s(raw) if raw is not None else self.default_keep_versions
+        value: object = _s(raw) if raw is not None else self.staleness.keep_versions
         if value == self._keep_raw:
             return []
         self._keep_raw = value
@@ -161,12 +158,12 @@ class GroupCollector:
         last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == GROUP_TRAINER), None)
         if last is None:
             return int(self.r.xlen(self.keys.batches))
-        return len(self.r.xrange(self.keys.batches, min=next_id(last), max="+", count=self.max_ready_batches))
+        return len(self.r.xrange(self.keys.batches, min=next_id(last), max="+", count=self.cfg.max_ready_batches))
 
     def assemble(self) -> list[Action]:
         if len(self.core.waiting) < self.core.groups_per_batch:
             return []
-        slots = self.max_ready_batches - self.ready_batches()
+        slots = self.cfg.max_ready_batches - self.ready_batches()
         if slots <= 0:
             return []
         latest = read_latest(self.r, self.keys)
@@ -221,8 +218,8 @@ class GroupCollector:
             self.execute(self.sync_versions())
             self.execute(self.sync_control())
         entries = reclaim(self.r, self.keys.rollouts, GROUP_COLLECTOR, self.consumer,
-                          self.claim_idle_ms) if self._reclaim.due() else []
-        entries += self.reader.read(self.read_count, block_ms)
+                          self.cfg.claim_idle_ms) if self._reclaim.due() else []
+        entries += self.reader.read(self.cfg.read_count, block_ms)
         self.execute(self.ingest(entries))
         self.execute(self.assemble())
         if self._touch.due():
@@ -243,7 +240,7 @@ class GroupCollector:
         if not self.burst:
             watcher.start()
         try:
-            self.loop.run(lambda: self.step(None if self.burst else self.block_ms) > 0,
+            self.loop.run(lambda: self.step(None if self.burst else self.cfg.block_ms) > 0,
                           recover=self.reader.reset)  # re-read our pending entries after reconnecting
         finally:
             watcher.stop()

@@ -19,18 +19,11 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     tracker = StalenessTracker(config_from_value(cfg.staleness.keep_versions))
     core = CollectorCore(StalenessGroupFilter(tracker, "collector"), cfg.train.groups_per_batch,
                          cfg.rollout.max_retries)
-    c = cfg.collector
     port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)
-    return GroupCollector(cfg.redis.client(), cfg.keys(), core, consumer=consumer_name(SERVICE),
-                          default_keep_versions=cfg.staleness.keep_versions,
-                          order_by_published=cfg.staleness.order_by_published,
-                          max_ready_batches=c.max_ready_batches, claim_idle_ms=c.claim_idle_ms,
-                          block_ms=c.block_ms, read_count=c.read_count, control_poll_s=c.control_poll_s,
-                          trim_interval_s=c.trim_interval_s, metrics_interval_s=c.metrics_interval_s,
-                          burst=args.burst, heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s,
-                          redis_factory=cfg.redis.client, stop=StopFlag().install(),
-                          gauges=None if args.burst else MetricGauges(port),
-                          backoff_max_s=cfg.redis.reconnect_backoff_max_s).run
+    return GroupCollector(cfg.redis.client(), cfg.keys(), core, cfg.collector, cfg.staleness,
+                          consumer=consumer_name(SERVICE), burst=args.burst, heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s,
+                          backoff_max_s=cfg.redis.reconnect_backoff_max_s, redis_factory=cfg.redis.client,
+                          stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port)).run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from services.prompt_buffer.pacing import PacingInputs, PacingPolicy
 from services.prompt_buffer.schedule import Cursor, Schedule, prompt_group
 from shared import stats
 from shared.codec import encode_entry
+from shared.config import PromptBufferConfig
 from shared.consumer import ConsumerLoop
 from shared.errors import DressageError
 from shared.keys import GROUP_ROLLOUT, Keys
@@ -56,15 +57,13 @@ def _field(fields: dict[bytes, bytes], name: str) -> str:
 
 class PromptBuffer:
     def __init__(self, r: redis.Redis, keys: Keys, rows: list[dict[str, Any]], schedule: Schedule,
-                 policy: PacingPolicy, *, n_samples: int, consumer: str, burst: bool = False,
-                 poll_s: float = 0.2, max_stream_len: int = 100_000, chunk: int = 64,
-                 heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
+                 policy: PacingPolicy, cfg: PromptBufferConfig, *, consumer: str, burst: bool = False,
+                 chunk: int = 64, heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
                  stop: StopFlag | None = None, gauges: MetricGauges | None = None,
                  clock: Callable[[], float] = time.time, brake: BrakePolicy | None = None,
                  backoff_max_s: float = 5.0) -> None:
         self.r, self.keys, self.rows, self.schedule, self.policy = r, keys, rows, schedule, policy
-        self.n_samples, self.consumer, self.burst = n_samples, consumer, burst
-        self.poll_s, self.max_stream_len, self.chunk = poll_s, max_stream_len, chunk
+        self.cfg, self.consumer, self.burst, self.chunk = cfg, consumer, burst, chunk
         self.stop = stop or StopFlag()
         self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
         self.gauges = gauges
@@ -102,7 +101,7 @@ class PromptBuffer:
         """How many groups may be emitted now, and the counters it was computed from."""
         state = self.inputs()
         capacity = self.policy.capacity(state)
-        stream_room = self.max_stream_len - int(self.r.xlen(self.keys.prompts))
+        stream_room = self.cfg.max_stream_len - int(self.r.xlen(self.keys.prompts))
         self.last_capacity = max(0, min(capacity, stream_room))
         return self.last_capacity, state
 
@@ -147,7 +146,7 @@ class PromptBuffer:
                         pipe.reset()
                         return 0
                     now = self.clock()
-                    groups = [prompt_group(self.rows[i], e, i, self.n_samples, now) for e, i in items]
+                    groups = [prompt_group(self.rows[i], e, i, self.cfg.n_samples, now) for e, i in items]
                     pipe.multi()
                     for g in groups:
                         pipe.xadd(self.keys.prompts, encode_entry(g))  # type: ignore[arg-type]
@@ -215,7 +214,7 @@ class PromptBuffer:
             return emitted > 0 and not (self.burst and exhausted)
 
         def idle() -> None:
-            self._wake.wait(self.poll_s)  # a new version wakes us at once
+            self._wake.wait(self.cfg.poll_s)  # a new version wakes us at once
             self._wake.clear()
 
         try:

@@ -25,8 +25,7 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)
     buffer = PromptBuffer(cfg.redis.client(), cfg.keys(), rows,
                           Schedule(len(rows), cfg.prompt_buffer.shuffle_seed, cfg.prompt_buffer.epochs), policy,
-                          n_samples=cfg.prompt_buffer.n_samples, consumer=consumer_name(SERVICE), burst=args.burst,
-                          poll_s=cfg.prompt_buffer.poll_s, max_stream_len=cfg.prompt_buffer.max_stream_len,
+                          cfg.prompt_buffer, consumer=consumer_name(SERVICE), burst=args.burst,
                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, redis_factory=cfg.redis.client,
                           stop=StopFlag().install(), gauges=None if args.burst else MetricGauges(port),
                           brake=BrakePolicy(cfg.pacing.dead_letter_brake_per_min,

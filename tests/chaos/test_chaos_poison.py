@@ -36,7 +36,7 @@ from services.rollout_worker.worker import RolloutWorker
 from services.trainer.loop import TrainerLoop
 from services.trainer.startup import open_trainer
 from shared.codec import decode_entry, encode_entry
-from shared.config import RolloutConfig, load_config
+from shared.config import CollectorConfig, RolloutConfig, StalenessSection, load_config
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import Batch, DeadLetter, PromptGroup, RolloutGroup
@@ -232,7 +232,8 @@ def test_fuzzed_prompt_entries_never_escape_the_rollout_workers_dispatch(r: fake
 @given(fields=field_maps("rollout"))
 def test_fuzzed_rollout_entries_never_escape_the_collectors_dispatch(r: fakeredis.FakeRedis, fields: Fields) -> None:
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(2))), 1, 2)
-    coll = GroupCollector(r, K, core, consumer="fuzz", default_keep_versions=2, burst=True, trim_interval_s=0)
+    coll = GroupCollector(r, K, core, CollectorConfig(trim_interval_s=0), StalenessSection(keep_versions=2), consumer="fuzz",
+                          burst=True)
     outcome(r, K.rollouts, fields, lambda e: coll.execute(coll.ingest([e])))
 
 

@@ -17,6 +17,7 @@ from rollout_factory import rollout_group
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
 from shared.codec import decode_entry, encode_entry
+from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys
 from shared.redisproc import RedisProcess
 from shared.schemas import Batch, DeadLetter, PromptGroup, RolloutGroup, WeightVersion
@@ -31,8 +32,9 @@ def collector(r: redis.Redis, keys: Keys, keep: int = 2, per_batch: int = 2, ret
     ids = (f"{consumer}-b{i}" for i in itertools.count(1))
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(keep))), per_batch, retries,
                          new_batch_id=lambda: next(ids))
-    return GroupCollector(r, keys, core, consumer=consumer, default_keep_versions=keep,
-                          max_ready_batches=max_ready, claim_idle_ms=claim_idle_ms, burst=True, trim_interval_s=0)
+    return GroupCollector(r, keys, core, CollectorConfig(max_ready_batches=max_ready, claim_idle_ms=claim_idle_ms,
+                                                          trim_interval_s=0),
+                          StalenessSection(keep_versions=keep), consumer=consumer, burst=True)
 
 
 def put(r: redis.Redis, keys: Keys, group: RolloutGroup) -> bytes:

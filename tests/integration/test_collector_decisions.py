@@ -13,6 +13,7 @@ from services.group_collector.core import CollectorCore
 from services.ops import replay as replay_cli
 from services.ops.decisionlog import DecisionFile, load_records, read_stream
 from shared.codec import encode_entry
+from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys
 from shared.schemas import WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
@@ -24,8 +25,8 @@ def run_collector(r: redis.Redis, keys: Keys, keep: int) -> None:
     ids = (f"b{i}" for i in itertools.count(1))
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(keep))), 2, 1,
                          new_batch_id=lambda: next(ids))
-    GroupCollector(r, keys, core, consumer="c1", default_keep_versions=keep, max_ready_batches=10,
-                   burst=True, trim_interval_s=0).run()
+    GroupCollector(r, keys, core, CollectorConfig(max_ready_batches=10, trim_interval_s=0),
+                   StalenessSection(keep_versions=keep), consumer="c1", burst=True).run()
 
 
 def put(r: redis.Redis, keys: Keys, *groups: object) -> None:

@@ -17,6 +17,7 @@ from services.prompt_buffer.buffer import PromptBuffer
 from services.prompt_buffer.pacing import PacingPolicy
 from services.prompt_buffer.schedule import Cursor, Schedule
 from shared.codec import decode_entry
+from shared.config import PromptBufferConfig
 from shared.keys import Keys
 from shared.lifecycle import StopFlag
 from shared.redisproc import RedisProcess
@@ -39,8 +40,8 @@ def emitted(r: redis.Redis, keys: Keys) -> list[PromptGroup]:
 
 def buffer(r: redis.Redis, keys: Keys, eta: int | None, gpv: int, burst: bool = True,
            stop: StopFlag | None = None, poll_s: float = 0.2) -> PromptBuffer:
-    return PromptBuffer(r, keys, ROWS, Schedule(len(ROWS), 3, None), PacingPolicy(eta, gpv, 1000), n_samples=2,
-                        consumer="pb", burst=burst, poll_s=poll_s, stop=stop)
+    return PromptBuffer(r, keys, ROWS, Schedule(len(ROWS), 3, None), PacingPolicy(eta, gpv, 1000),
+                        PromptBufferConfig(n_samples=2, poll_s=poll_s), consumer="pb", burst=burst, stop=stop)
 
 
 def test_eta_zero_never_releases_work_for_v_plus_1_before_v_is_published(redis_client: redis.Redis,

@@ -28,6 +28,7 @@ from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
 from shared.codec import decode_entry, encode_entry
 from shared.codes import STALENESS_EXCEEDED
+from shared.config import CollectorConfig, StalenessSection
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.modeling import ensure_model
 from shared.redisproc import RedisProcess
@@ -149,7 +150,8 @@ def enqueue(r: redis.Redis, keys: Keys, groups: list[dict[str, Any]]) -> None:
 def collect(r: redis.Redis, keys: Keys, max_retries: int) -> None:
     """One burst of the real group-collector (window off): the retry policy for failed groups."""
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(None))), 1000, max_retries)
-    GroupCollector(r, keys, core, consumer="c-e2e", default_keep_versions=0, burst=True, trim_interval_s=0).run()
+    GroupCollector(r, keys, core, CollectorConfig(trim_interval_s=0), StalenessSection(keep_versions=0), consumer="c-e2e",
+                   burst=True).run()
 
 
 def rounds(stack: Stack, r: redis.Redis, name: str, max_retries: int, done: Any, limit: int = 6,

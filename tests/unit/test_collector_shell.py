@@ -11,6 +11,7 @@ from rollout_factory import rollout_group
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
 from shared.codec import decode_entry, encode_entry
+from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys
 from shared.schemas import Batch, DeadLetter, PromptGroup, RolloutGroup, WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
@@ -31,8 +32,8 @@ def collector(r: fakeredis.FakeRedis, keep: int = 2, per_batch: int = 2, retries
     ids = (f"b{i}" for i in itertools.count(1))
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(keep))), per_batch, retries,
                          new_batch_id=lambda: next(ids))
-    return GroupCollector(r, K, core, consumer=consumer, default_keep_versions=keep, max_ready_batches=max_ready,
-                          burst=True, trim_interval_s=0)
+    return GroupCollector(r, K, core, CollectorConfig(max_ready_batches=max_ready, trim_interval_s=0),
+                          StalenessSection(keep_versions=keep), consumer=consumer, burst=True)
 
 
 def put(r: fakeredis.FakeRedis, group: RolloutGroup) -> bytes:

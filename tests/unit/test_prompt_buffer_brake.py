@@ -11,6 +11,7 @@ from services.prompt_buffer.brake import BrakePolicy, why
 from services.prompt_buffer.buffer import PromptBuffer
 from services.prompt_buffer.pacing import PacingPolicy
 from services.prompt_buffer.schedule import Schedule
+from shared.config import PromptBufferConfig
 from shared.keys import Keys
 from shared.schemas import WeightVersion
 from shared.telemetry import read_metrics
@@ -51,8 +52,8 @@ def dead(r: fakeredis.FakeRedis, n: int, age_s: float = 0.0, reason: str = "stal
 
 
 def buffer(r: fakeredis.FakeRedis) -> PromptBuffer:
-    return PromptBuffer(r, K, ROWS, Schedule(len(ROWS), 0, 1), PacingPolicy(None, 4, 100), n_samples=2,
-                        consumer="pb", burst=True, chunk=4, brake=BrakePolicy(per_min=6, window_s=30))
+    return PromptBuffer(r, K, ROWS, Schedule(len(ROWS), 0, 1), PacingPolicy(None, 4, 100),
+                        PromptBufferConfig(n_samples=2), consumer="pb", burst=True, chunk=4, brake=BrakePolicy(per_min=6, window_s=30))
 
 
 def test_buffer_pauses_while_groups_die_fast_shows_why_and_resumes_by_itself(r: fakeredis.FakeRedis) -> None:
@@ -75,6 +76,6 @@ def test_buffer_pauses_while_groups_die_fast_shows_why_and_resumes_by_itself(r: 
 def test_brake_off_never_pauses(r: fakeredis.FakeRedis) -> None:
     publish_version(r, K, WeightVersion(version="0", path="/c/0", step=0, published_at=1.0))
     dead(r, 100)
-    pb = PromptBuffer(r, K, ROWS, Schedule(len(ROWS), 0, 1), PacingPolicy(None, 4, 100), n_samples=2,
-                      consumer="pb", burst=True, chunk=4)
+    pb = PromptBuffer(r, K, ROWS, Schedule(len(ROWS), 0, 1), PacingPolicy(None, 4, 100),
+                      PromptBufferConfig(n_samples=2), consumer="pb", burst=True, chunk=4)
     assert pb.step() == 4 and not r.exists("t:prompt_buffer:brake")

@@ -9,6 +9,7 @@ from services.prompt_buffer.buffer import PromptBuffer
 from services.prompt_buffer.pacing import PacingPolicy
 from services.prompt_buffer.schedule import Schedule
 from shared.codec import decode_entry
+from shared.config import PromptBufferConfig
 from shared.errors import DressageError
 from shared.keys import Keys
 from shared.schemas import PromptGroup, WeightVersion
@@ -26,8 +27,9 @@ def r() -> fakeredis.FakeRedis:
 def buffer(r: fakeredis.FakeRedis, eta: int | None = 0, gpv: int = 3, epochs: int | None = 2,
            max_in_flight: int = 100, max_stream_len: int = 1000, chunk: int = 64) -> PromptBuffer:
     return PromptBuffer(r, Keys("t"), ROWS, Schedule(len(ROWS), 0, epochs), PacingPolicy(eta, gpv, max_in_flight),
-                        n_samples=4, consumer="pb", burst=True, max_stream_len=max_stream_len, chunk=chunk,
-                        clock=lambda: 42.0)
+                        # model_copy skips the bound (>= 100) so a handful of rows can reach the stream cap
+                        PromptBufferConfig(n_samples=4).model_copy(update={"max_stream_len": max_stream_len}),
+                        consumer="pb", burst=True, chunk=chunk, clock=lambda: 42.0)
 
 
 def emitted(r: fakeredis.FakeRedis) -> list[PromptGroup]:

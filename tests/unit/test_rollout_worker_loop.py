@@ -23,7 +23,7 @@ from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import RolloutWorker
 from shared.codec import decode_entry, encode_entry
 from shared.codes import STALENESS_EXCEEDED
-from shared.config import RolloutConfig
+from shared.config import CollectorConfig, RolloutConfig, StalenessSection
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import DeadLetter, PromptGroup, RolloutGroup
@@ -113,7 +113,8 @@ def collector(r: redis.Redis, keys: Keys, retries: int) -> GroupCollector:
     ids = (f"b{i}" for i in itertools.count(1))
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(None))), 1, retries,
                          new_batch_id=lambda: next(ids))
-    return GroupCollector(r, keys, core, consumer="c1", default_keep_versions=0, burst=True, trim_interval_s=0)
+    return GroupCollector(r, keys, core, CollectorConfig(trim_interval_s=0), StalenessSection(keep_versions=0), consumer="c1",
+                          burst=True)
 
 
 def pipeline(r: redis.Redis, keys: Keys, fake: FakeProxy, retries: int, rounds: int = 6) -> None:
