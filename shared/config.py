@@ -116,7 +116,9 @@ class ProxyConfig(Section):
     # How the model writes tool calls (SGLang's --tool-call-parser): "hermes" (= "qwen25", "qwen3": the
     # <tool_call>{json}</tool_call> format of Qwen models); None = never parse (tools are still rendered).
     tool_call_parser: Literal["hermes", "qwen25", "qwen3"] | None = "hermes"
+    # Engines serve the published weights (docs/proxy.md "Engines at the published version"):
     engine_check_s: float = Field(default=2.0, gt=0, le=300)  # health check of every engine's loaded version
+    load_poll_s: float = Field(default=1.0, ge=0, le=300)  # engines' /get_load for routing + /health of down ones; 0 = off
     engine_sync_wait_s: float = Field(default=10.0, ge=0, le=3600)  # no engine caught up this long -> 503
 
 

@@ -24,7 +24,14 @@ Invariants (asyncio, one event loop; no await between a check and the state chan
   chunk waits up to ``engine_sync_wait_s``, then fails ``upstream_unavailable`` (503) -- also
   when every engine refused the connection, so a short engine restart is ridden out;
 * ``current_version`` is learned from every response (an engine loaded behind our back is
-  noticed on its next answer), not only on load/resume.
+  noticed on its next answer), not only on load/resume;
+* many engines (``balancer``): a session's chunks go to its sticky engine, a new session to the
+  least loaded one. An engine that refuses a connection, or drops one in the middle of a request
+  we did not abort, is marked *down*: nothing is routed to it, and the chunk it was running is
+  resumed on another engine from the tokens the proxy holds (the prompt, the earlier chunks, and
+  in streaming the tokens already streamed) — in partial and non-partial mode alike, since no
+  weight version changed. ``mark_up`` (the runtime's probe saw ``/health`` answer) lets it rejoin
+  through the catch-up path: held *behind* until it serves ``target``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from services.proxy.balancer import Balancer
 from services.proxy.engine_client import Chunk, EngineClient
 from services.proxy.errors import (
     GenerationPreempted,
@@ -92,6 +100,14 @@ class _Active:
     stop_requested: bool = False  # the sink matched a stop string: aborted by us, not a preemption
     finished: bool = False  # the engine's answer came back whole
     streamed_versions: list[str] = field(default_factory=list)  # distinct versions of streamed tokens so far
+    held: list[Chunk] = field(default_factory=list)  # streamed deltas that passed the checks (the sink has them)
+
+    def partial(self) -> Chunk:
+        """What this rid produced before it stopped early: its streamed tokens, marked aborted."""
+        h = self.held
+        return Chunk([t for c in h for t in c.output_ids], [x for c in h for x in c.logprobs],
+                     [v for c in h for v in c.versions], "abort", h[-1].weight_version if h else None, True, {},
+                     [t for c in h for t in c.top_logprobs])
 
 
 def _bind(feed: Callable[[Chunk, _Active], None], active: _Active) -> Callable[[Chunk], None]:
@@ -120,6 +136,9 @@ class GenerationController:
         self.target: str | None = None  # the published version every engine must serve (None: not following)
         self.behind: set[str] = set()  # engines not known to serve ``target``: no chunk is routed to them
         self.on_engine_behind: Callable[[str], None] = lambda url: None  # the updater's catch-up hook
+        self.balancer = Balancer(client.engines)
+        self.down: set[str] = set()  # engines that refused or dropped a connection: nothing is routed there
+        self.failovers = 0  # chunks resumed on another engine after theirs went down
         self.epoch = 0  # +1 on every resume that ends a pause (reported only)
         self._holders: set[str] = set()  # global pause holders: "operator", "weight_update"
         self._paused_sessions: set[str] = set()  # operator pauses of single sessions
@@ -259,8 +278,28 @@ class GenerationController:
         self.current_version = v
         return True
 
+    def mark_down(self, url: str, why: str) -> None:
+        """Route nothing to ``url`` until ``mark_up``; it will have to catch up to ``target`` too."""
+        if url not in self.down:
+            self.down.add(url)
+            log.warning("engine=%s marked down: %s (engines down=%d of %d)", url, why, len(self.down),
+                        len(self.client.engines))
+        self.mark_behind(url, why)
+
+    async def mark_up(self, url: str) -> None:
+        """``url`` answers again: it rejoins through the catch-up path (held behind until it serves ``target``)."""
+        if url not in self.down:
+            return
+        self.down.discard(url)
+        log.info("engine=%s is back; rejoining%s", url, f" after a catch-up to version={self.target}"
+                 if self.target is not None else "")
+        self.mark_behind(url, "back after being down")  # a restarted engine serves its start-up weights
+        await self._notify()
+
     def _routable(self, session_id: str) -> list[str]:
-        return [u for u in self.client.route(session_id) if u not in self.behind]
+        """Engines to try, in order: the balancer's pick among those up, then (last resort) those marked down."""
+        ranked = self.balancer.order(session_id, self.behind)
+        return [u for u in ranked if u not in self.down] + [u for u in ranked if u in self.down]
 
     async def _wait_routable(self, session_id: str) -> list[str]:
         urls = self._routable(session_id)
@@ -280,6 +319,7 @@ class GenerationController:
         return {"paused": bool(self._holders), "pause_holders": sorted(self._holders),
                 "target_version": self.target, "engines_behind": sorted(self.behind),
                 "paused_sessions": sorted(self._paused_sessions), "version": self.current_version,
+                "engines_down": sorted(self.down), "failovers": self.failovers, "engines": self.balancer.snapshot(),
                 "epoch": self.epoch, "max_partial_rollout_preempts": self.max_preempts,
                 "active_generations": len(self._active), "suspended_generations": self._suspended,
                 "active_request_ids": sorted(self._active)}
@@ -329,6 +369,7 @@ class GenerationController:
                 return  # stale engine: its tokens are discarded with the chunk (see _dispatch)
             self.check(session_id, [*earlier, *gen.versions, *active.streamed_versions], delta.versions, partial)
             active.streamed_versions += dict.fromkeys(delta.versions)
+            active.held.append(delta)
             if sink is not None and not active.stop_requested and sink.feed(delta.output_ids, delta.logprobs,
                                                                            delta.top_logprobs or None):
                 active.stop_requested = True  # a stop string matched: the rest is not wanted
@@ -364,8 +405,10 @@ class GenerationController:
             gen.logprobs += chunk.logprobs
             gen.versions += chunk.versions
             gen.top_logprobs += chunk.top_logprobs or [[] for _ in chunk.output_ids]
+            lost = bool(chunk.meta.get("engine_lost"))
             gen.chunks.append({"num_output_tokens": len(chunk.output_ids), "version": chunk.weight_version,
-                               "finish_reason": chunk.finish_type, "preempted": chunk.aborted and not stopped})
+                               "finish_reason": chunk.finish_type, "preempted": chunk.aborted and not stopped and not lost,
+                               "engine_lost": lost})
             if stopped and sink is not None and sink.keep is not None:  # a stop string: end at its cut
                 gen.truncate(sink.keep)
                 gen.finish_reason = "stop"
@@ -373,6 +416,11 @@ class GenerationController:
             if not chunk.aborted:
                 gen.finish_reason = chunk.finish_type
                 return gen
+            if lost:  # not a preemption: same weights, another engine
+                if len(gen.output_ids) >= max_new_tokens:
+                    gen.finish_reason = "length"
+                    return gen
+                continue
             self.metrics.preemptions.inc()
             if not partial:
                 raise GenerationPreempted("generation interrupted by a pause or weight update (non-partial mode)",
@@ -394,10 +442,14 @@ class GenerationController:
             rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
             active = self._active[rid] = _Active(rid, session_id, url)
             self.metrics.active.set(len(self._active))
+            self.balancer.started(url)
             on_delta = None if feed is None else _bind(feed, active)
             try:
                 chunk = await self.client.generate(url, {**body, "rid": rid}, on_delta)
                 active.finished = True
+                self.balancer.assign(session_id, url)
+                if url in self.down:
+                    await self.mark_up(url)
                 if not self.learn(url, chunk.weight_version):
                     self.metrics.stale_chunks.inc()
                     log.warning("session_id=%s rid=%s engine=%s answered on version=%s < published %s: "
@@ -408,13 +460,24 @@ class GenerationController:
             except UpstreamUnavailable as exc:
                 if active.abort_requested and exc.extra.get("connected"):
                     # We aborted it and the connection broke: resume from what we have.
-                    return Chunk([], [], [], "abort", None, True), False
+                    return active.partial(), False
                 if exc.extra.get("connected"):
-                    raise
+                    # The engine dropped a request we did not abort (died, or timed out): resume elsewhere
+                    # from the tokens we hold, and abort the rid in case that engine still runs it.
+                    self.mark_down(url, f"dropped rid={rid} mid-request ({exc.message})")
+                    if feed is None:
+                        self._spawn(self.client.abort(url, rid))
+                    self.failovers += 1
+                    lost = active.partial()
+                    lost.meta["engine_lost"] = True
+                    log.warning("session_id=%s rid=%s engine=%s lost mid-request with %d streamed tokens; "
+                                "resuming on another engine", session_id, rid, url, len(lost.output_ids))
+                    return lost, False
                 last = exc
-                self.mark_behind(url, "refused the connection (down or restarting)")
+                self.mark_down(url, "refused the connection (down or restarting)")
                 log.warning("engine unreachable session_id=%s engine=%s; trying next", session_id, url)
             finally:
+                self.balancer.finished(url)
                 if not active.finished and feed is not None:  # refused mid-stream or cancelled: free the engine
                     self._spawn(self.client.abort(url, rid))
                 del self._active[rid]

@@ -266,6 +266,22 @@ class EngineClient:
                                 engine_detail=_short(str(data)))
         return data if isinstance(data, dict) else {"response": data}
 
+    async def load(self, url: str, timeout: float) -> Any | None:
+        """The engine's ``/get_load`` body (SGLang: one object per dp rank); None when it does not answer."""
+        try:
+            status, data = await self._call("GET", url, "/get_load", None, timeout)
+        except UpstreamUnavailable:
+            return None
+        return data if status < 300 else None
+
+    async def healthy(self, url: str, timeout: float) -> bool:
+        """``GET /health`` answered 200."""
+        try:
+            status, _ = await self._call("GET", url, "/health", None, timeout)
+        except UpstreamUnavailable:
+            return False
+        return status == 200
+
     async def weight_version(self, url: str, timeout: float | None = None) -> str | None:
         """The engine's loaded version (``/get_weight_version``, else ``/model_info``); None if unknown."""
         for path in ("/get_weight_version", "/model_info"):

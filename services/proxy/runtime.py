@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from services.proxy.auth import PRINCIPAL
+from services.proxy.balancer import parse_load
 from services.proxy.controller import Generation, GenerationController, TokenSink
 from services.proxy.engine_client import EngineClient
 from services.proxy.errors import InvalidRequest, SessionConflict
@@ -75,6 +76,8 @@ class ProxyRuntime:
                                            poll_s=1.0).start()
             self._tasks.append(asyncio.create_task(self._engine_check_loop()))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
+        if self.cfg.load_poll_s > 0:
+            self._tasks.append(asyncio.create_task(self._balance_loop()))
         if self._redis_factory is not None and self._keys is not None:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
@@ -111,6 +114,25 @@ class ProxyRuntime:
                 self.controller.mark_behind(url, "no version answer (down, stopped or restarting)")
             elif self.controller.learn(url, version):
                 await self.controller.mark_synced(url, version)
+
+    async def poll_engines(self) -> None:
+        """One pass: every engine's load for routing (``/get_load``); a down engine that answers rejoins."""
+        timeout = min(self.cfg.connect_timeout_s * 2, max(self.cfg.load_poll_s, 0.5))
+        ctl = self.controller
+        loads = await asyncio.gather(*(self.client.load(u, timeout) for u in self.client.engines))
+        for url, body in zip(self.client.engines, loads, strict=True):
+            if body is not None:
+                ctl.balancer.set_remote(url, parse_load(body))
+            if url in ctl.down and (body is not None or await self.client.healthy(url, timeout)):
+                await ctl.mark_up(url)
+
+    async def _balance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.load_poll_s)
+            try:
+                await self.poll_engines()
+            except Exception:  # the poll must outlive any one bad answer
+                log.exception("engine load poll failed")
 
     async def _engine_check_loop(self) -> None:
         while True:
