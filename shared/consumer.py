@@ -34,7 +34,7 @@ class ConsumerLoop:
         self.name, self.stop, self.burst = name, stop, burst
         self.backoff = Backoff(max_s=backoff_max_s)
 
-    def run(self, step: Callable[[], bool], *, idle: Callable[[], None] | None = None,
+    def run(self, step: Callable[[], bool], *, idle: Callable[[], object] | None = None,
             recover: Callable[[], None] | None = None, done: Callable[[], bool] | None = None) -> None:
         while not self.stop.is_set and not (done is not None and done()):
             try:

@@ -22,6 +22,7 @@ import redis
 from services.window_controller.policy import Decision, Signals, State, decide, initial_state
 from services.window_controller.signals import SignalReader
 from shared.config import WindowControllerConfig
+from shared.consumer import ConsumerLoop
 from shared.keys import Keys
 from shared.lifecycle import StopFlag
 from shared.telemetry import Heartbeat, report_metrics
@@ -43,9 +44,10 @@ def _opt(x: float | None) -> str:
 class WindowController:
     def __init__(self, r: redis.Redis, keys: Keys, cfg: WindowControllerConfig, default_keep: int, *,
                  consumer: str = "window-controller", burst: bool = False, heartbeat_ttl_s: float = 15.0,
-                 stop: StopFlag | None = None, reader: SignalReader | None = None) -> None:
+                 stop: StopFlag | None = None, reader: SignalReader | None = None, backoff_max_s: float = 5.0) -> None:
         self.r, self.keys, self.cfg, self.burst = r, keys, cfg, burst
         self.stop = stop or StopFlag()
+        self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
         self.reader = reader or SignalReader(r, keys)
         if burst:
             self.reader.cursor = "0-0"  # burst: decide on everything already recorded
@@ -109,23 +111,17 @@ class WindowController:
                                                     "window_controller/proposal": d.proposal})
 
     def run(self) -> int:
-        backoff = 0.1
         started = False
-        while not self.stop.is_set:
-            try:
-                if not started:
-                    self.start()
-                    started = True
-                self.tick()
-                self._heartbeat.beat({"keep_versions": self.state.keep})
-                backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                self.stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            if self.burst:
-                break
-            self.stop.wait(self.cfg.interval_s)
+
+        def step() -> bool:
+            nonlocal started
+            if not started:
+                self.start()
+                started = True
+            self.tick()
+            self._heartbeat.beat({"keep_versions": self.state.keep})
+            return False  # one decision per tick: burst ends here, otherwise wait for the next tick
+
+        self.loop.run(step, idle=lambda: self.stop.wait(self.cfg.interval_s))
         log.info("window controller stopping keep_versions=%d", self.state.keep)
         return 0

@@ -15,7 +15,8 @@ from shared.streams import consumer_name
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     return WindowController(cfg.redis.client(), cfg.keys(), cfg.window_controller, cfg.staleness.keep_versions,
                             consumer=consumer_name(SERVICE), burst=args.burst,
-                            heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, stop=StopFlag().install()).run
+                            heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, stop=StopFlag().install(),
+                            backoff_max_s=cfg.redis.reconnect_backoff_max_s).run
 
 
 def main(argv: list[str] | None = None) -> int:
