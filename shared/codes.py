@@ -40,6 +40,8 @@ UNSUPPORTED_SCHEMA = "unsupported_schema"  # a v1 entry that v2 cannot take over
 RETRIES_EXHAUSTED = "retries_exhausted"  # failed on its last attempt
 STALE_RETRIES_EXHAUSTED = "stale_retries_exhausted"  # dropped by the window on its last attempt
 MISSING_PROMPT_GROUP = "missing_prompt_group"  # a rollout group without the prompt to re-enqueue
+INVALID_BATCH = "invalid_batch"  # trainer: a batch that decodes but cannot be trained (shapes, tokens)
+UNEXPECTED_ERROR = "unexpected_error"  # trainer: anything else one batch raised (the poison guard)
 # INVALID_PROMPT_GROUP (above) doubles as the reason of a failure no retry can fix.
 
 
