@@ -93,8 +93,11 @@ def read_latest(r: redis.Redis, keys: Keys) -> WeightVersion | None:
     return _parse(r.get(keys.weights_latest))
 
 
-def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: int = 10_000) -> None:
-    """Announce ``wv``; refuses a version that is not newer than the one already published."""
+def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: int = 10_000,
+                    replace: Callable[[WeightVersion], bool] | None = None) -> None:
+    """Announce ``wv``; refuses a version that is not newer than the one already published, unless
+    ``replace(current)`` says the current one is not genuine (the trainer's forged-latest guard):
+    then ``wv`` overwrites it, in the same guarded transaction."""
     body = wv.model_dump_json()
     clustered = is_cluster_client(r)
     with r.pipeline(transaction=True) as pipe:
@@ -102,7 +105,8 @@ def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: i
             try:
                 pipe.watch(keys.weights_latest)
                 current = _parse(pipe.get(keys.weights_latest))
-                if current is not None and not version_newer(wv.version, current.version):
+                forged = current is not None and replace is not None and replace(current)
+                if current is not None and not forged and not version_newer(wv.version, current.version):
                     raise VersionRegression(f"version {wv.version!r} is not newer than the latest {current.version!r}")
                 pipe.multi()
                 pipe.set(keys.weights_latest, body)

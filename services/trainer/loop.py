@@ -33,7 +33,7 @@ from services.trainer.batching import InvalidBatch, version_gap, version_gap_his
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_state
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
-from services.trainer.resume import ResumePlan, version_index
+from services.trainer.resume import ResumePlan, trusted_published, version_index
 from services.trainer.sinks import MetricSinks
 from shared.codec import decode_entry, entry_ids
 from shared.config import DressageConfig
@@ -110,10 +110,21 @@ class TrainerLoop:
         self._announce_newest()
         self.reader.reset()
 
+    def _forged(self, latest: WeightVersion) -> bool:
+        """Is the published ``latest`` not one of this trainer's versions? Counted and logged (the alarm)."""
+        if trusted_published(latest, self.cfg.train.checkpoint_dir) is not None:
+            return False
+        self.r.hincrby(self.stats, "forged_weights_latest", 1)
+        return True
+
+    def _own_latest(self) -> WeightVersion | None:
+        latest = read_latest(self.r, self.keys)
+        return None if latest is None or self._forged(latest) else latest
+
     def _announce_newest(self) -> None:
         """Publish the newest complete checkpoint if the version bus is behind it."""
         newest = self.store.newest()
-        latest = read_latest(self.r, self.keys)
+        latest = self._own_latest()
         if newest is not None and (latest is None or version_index(latest.version) < newest.version):
             log.info("announcing complete checkpoint version=%d (the version bus is behind it)", newest.version)
             self._publish(newest)
@@ -302,7 +313,7 @@ class TrainerLoop:
     def _publish(self, info: CheckpointInfo) -> None:
         wv = WeightVersion(version=str(info.version), path=str(info.path.resolve()), step=info.step,
                            published_at=time.time())
-        publish_version(self.r, self.keys, wv)
+        publish_version(self.r, self.keys, wv, replace=self._forged)
         try:
             pinned = pinned_checkpoints(self.r, self.keys.prefix)  # evaluations still to run on them
         except redis.RedisError:

@@ -13,6 +13,12 @@ latest *published* version:
 
 The next version is always ``counter + 1``, i.e. ``max(C, P) + 1``: versions strictly increase
 across restarts and a number is never reused. Only complete checkpoints are ever considered.
+
+A published version counts only if it is the trainer's own (``trusted_published``): its path lies
+in the trainer's checkpoint dir and is the directory of that very version (``v00000007`` for "7"). Anything
+else (a forged ``{p}:weights:latest``, e.g. version 10**9 pointing at attacker weights) is refused
+with an error line and the ``forged_weights_latest`` counter, and the plan uses the trainer's own
+history as if nothing were published: a forgery can neither crash the trainer nor move its numbering.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.trainer.checkpoint import CheckpointInfo
+from services.trainer.checkpoint import CheckpointInfo, dir_name
+from shared.edge import within
 from shared.errors import DressageError
 from shared.schemas import WeightVersion
 from shared.versionbus import version_number
@@ -40,6 +47,21 @@ def version_index(version: str) -> int:
         raise VersionFormatError(f"weights:latest version {version!r} is not an integer; the trainer "
                                  "publishes \"0\", \"1\", ... and cannot continue after a foreign label")
     return number
+
+
+def trusted_published(published: WeightVersion | None, checkpoint_dir: str | Path) -> WeightVersion | None:
+    """``published`` if it is one of the trainer's own versions (see the module docstring), else None."""
+    if published is None:
+        return None
+    path = within(published.path, [checkpoint_dir])
+    number = version_number(published.version)
+    own = path is not None and number is not None and number >= 0 and path.name == dir_name(number)
+    if not own:
+        log.error("ALARM refusing {p}:weights:latest version=%r: not one of this trainer's checkpoints "
+                  "(path outside train.checkpoint_dir or not matching its version); keeping the trainer's own "
+                  "history", published.version[:64])
+        return None
+    return published
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from services.trainer.follower import Follower
 from services.trainer.learner import Learner
 from services.trainer.loop import TrainerLoop
 from services.trainer.parallel import Parallel
-from services.trainer.resume import plan_resume
+from services.trainer.resume import plan_resume, trusted_published
 from services.trainer.sinks import MetricSinks
 from shared.config import DressageConfig
 from shared.lifecycle import StopFlag
@@ -46,6 +46,9 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
         store.cleanup_temp()
         newest = store.newest()
         latest = read_latest(r, cfg.keys())
+        if latest is not None and trusted_published(latest, tc.checkpoint_dir) is None:
+            r.hincrby(cfg.keys().custom("stats"), "forged_weights_latest", 1)  # the alarm, counted
+            latest = None
         plan = plan_resume(newest, latest, Path(cfg.model.path),
                            published_complete=latest is not None and not missing_files(latest.path))
     plan = parallel.broadcast(plan)
