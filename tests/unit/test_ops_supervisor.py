@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,24 +80,33 @@ def test_stop_request_stops_in_reverse_tier_order(tmp_path: Path) -> None:
             "def h(*a):\n"
             f"    open({str(order)!r}, 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
             "signal.signal(signal.SIGTERM, h)\n"
-            "print('up', flush=True)\n"
+            f"open({str(tmp_path)!r} + '/up-' + sys.argv[1], 'w').close()\n"  # handler installed
             "while True: time.sleep(0.05)\n")
+    names = ("engine", "proxy", "worker-1", "worker-2")
     specs = [ProcessSpec(name=n, argv=[PY, "-c", code, n], log_path=tmp_path / f"{n}.log", tier=t)
-             for n, t in (("engine", 0), ("proxy", 1), ("worker-1", 2), ("worker-2", 2))]
+             for n, t in zip(names, (0, 1, 2, 2), strict=True)]
     sup = Supervisor(specs, grace_s=5)
-    t0 = time.monotonic()
-    result = sup.run(stop_requested=lambda: time.monotonic() - t0 > 1.5)
+    result = sup.run(stop_requested=lambda: all((tmp_path / f"up-{n}").exists() for n in names))
     assert result.outcome == "stopped"
-    names = order.read_text().split()
-    assert sorted(names[:2]) == ["worker-1", "worker-2"] and names[2:] == ["proxy", "engine"]
+    stopped = order.read_text().split()
+    assert sorted(stopped[:2]) == ["worker-1", "worker-2"] and stopped[2:] == ["proxy", "engine"]
     assert all(code == 0 for code in sup.stop().values())
 
 
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
 def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
-    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(0.05)"
+    ready = tmp_path / "ignoring"  # the child's signal: written once SIGTERM is ignored
+    code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"open({str(ready)!r}, 'w').close()\nwhile True: time.sleep(0.05)")
     sup = Supervisor([spec("stubborn", code, tmp_path)], grace_s=0.5)
     sup.start()
-    time.sleep(0.3)
+    wait_for(ready.exists)
     t0 = time.monotonic()
     codes = sup.stop()
     assert codes["stubborn"] == -signal.SIGKILL
