@@ -65,6 +65,8 @@ class History:
     missing_examples: dict[str, list[str]] = field(default_factory=dict)  # stream -> a few of their ids
     seen: dict[str, set[str]] = field(default_factory=dict)  # stream -> entry ids fed
     batch_groups: dict[str, list[str]] = field(default_factory=dict)  # batch id -> its group ids
+    response_tokens: dict[str, list[int]] = field(default_factory=dict)  # group id -> loss tokens per trajectory
+    dead_errors: dict[str, list[str]] = field(default_factory=dict)  # group id -> dead-letter error texts
     _unresolved: list[str] = field(default_factory=list)  # trained batch ids not seen in a batch yet
 
     # --- feeding ------------------------------------------------------------------------------
@@ -91,6 +93,11 @@ class History:
             except MalformedEntry:
                 return
             gids = [g.group_id for g in batch.groups]
+            for g in batch.groups:  # the length of every trained trajectory (length-bias checks)
+                per_traj: Counter[str] = Counter()
+                for smp in g.samples:
+                    per_traj[smp.traj_id] += sum(smp.loss_mask)
+                self.response_tokens.setdefault(g.group_id, list(per_traj.values()))
             self.batch_groups[batch.batch_id] = gids
             self.batched.update(gids)
             if batch.batch_id in self._unresolved:
@@ -127,6 +134,7 @@ class History:
             self.poison += 1
         for g in groups:
             self.dead.setdefault(g, []).append(reason)
+            self.dead_errors.setdefault(g, []).append(_s(f.get("error", b""))[:300])
 
     # --- verdict ------------------------------------------------------------------------------
 

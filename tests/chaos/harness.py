@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHAOS_SPEC = ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, max_position_embeddings=128)
 HEALTH = {"prompt-buffer": "prompt-buffer", "rollout-worker": "rollout-worker", "group-collector": "group-collector",
-          "trainer": "trainer"}  # service -> heartbeat service name
+          "trainer": "trainer", "eval-worker": "eval-worker"}  # service -> heartbeat service name
 STREAM_GROUPS = {"prompts": GROUP_ROLLOUT, "rollouts": GROUP_COLLECTOR, "batches": GROUP_TRAINER}
 
 
@@ -409,14 +409,29 @@ class Cluster:
         self.redis.cleanup()
 
 
+@dataclass
+class Fault:
+    """One injected fault: what, when (monotonic), and when the victim was let back (restart/SIGCONT)."""
+
+    name: str  # process name, or "redis"
+    kind: str  # "SIGKILL" (then restarted), "SIGSTOP" (then SIGCONT), "redis:SIGKILL" (AOF restart)
+    at: float
+    back_at: float | None = None
+
+
 class ChaosDriver:
-    """Kills a random service of ``names`` every ``period`` s and restarts it after ``down_s`` s."""
+    """Every ``period`` s a seeded random fault on a random service of ``names``: SIGKILL and a restart
+    after ``down_s`` s, or (with probability ``stop_share``) SIGSTOP and SIGCONT after ``down_s`` s.
+    With ``redis_at`` set, Redis itself is SIGKILLed and restarted (same AOF directory) once, at the
+    first fault due after ``redis_at`` seconds. The schedule is a pure function of ``seed``."""
 
     def __init__(self, cluster: Cluster, names: list[str], period: tuple[float, float], down_s: float,
-                 seed: int = 0) -> None:
+                 seed: int = 0, stop_share: float = 0.0, redis_at: float | None = None) -> None:
         self.cluster, self.names, self.period, self.down_s = cluster, names, period, down_s
+        self.stop_share, self.redis_at = stop_share, redis_at
         self.rng = random.Random(seed)
         self.kills: list[str] = []
+        self.faults: list[Fault] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-driver", daemon=True)
         self.error: BaseException | None = None
@@ -426,15 +441,35 @@ class ChaosDriver:
         return self
 
     def _run(self) -> None:
+        t0 = time.monotonic()
         try:
             while not self._stop.wait(self.rng.uniform(*self.period)):
                 name = self.rng.choice(self.names)
+                stop = self.rng.random() < self.stop_share
+                if self.redis_at is not None and time.monotonic() - t0 >= self.redis_at:
+                    self.redis_at = None
+                    fault = Fault("redis", "redis:SIGKILL", time.monotonic())
+                    self.faults.append(fault)
+                    self.cluster.restart_redis()
+                    fault.back_at = time.monotonic()
+                    continue
                 proc = self.cluster.procs[name]
-                self.cluster.kill(name)
-                self.kills.append(name)
+                fault = Fault(name, "SIGSTOP" if stop else "SIGKILL", time.monotonic())
+                self.faults.append(fault)
+                if stop:
+                    self.cluster.signal(name, signal.SIGSTOP)
+                else:
+                    self.cluster.kill(name)
+                    self.kills.append(name)
                 if self._stop.wait(self.down_s):
+                    if stop:
+                        self.cluster.signal(name, signal.SIGCONT)
                     break
-                self.cluster.start(proc.service, name)
+                if stop:
+                    self.cluster.signal(name, signal.SIGCONT)
+                else:
+                    self.cluster.start(proc.service, name)
+                fault.back_at = time.monotonic()
         except BaseException as exc:  # surfaced by stop()
             self.error = exc
 
