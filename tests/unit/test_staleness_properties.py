@@ -32,11 +32,24 @@ PUBLISH_LOG = ["0", "1", "2", "3", "4", "5"]
 FAST = settings(max_examples=150, deadline=None)
 
 
-def _outside_window(t: StalenessTracker, group: dict[str, Any]) -> bool:
-    cutoff = t.cutoff_version_index
-    return cutoff is not None and any(
-        t.versions.index(i.version) < cutoff for i in trajectory_version_infos(group)
-    )
+def _model_end_versions(group: dict[str, Any]) -> set[str]:
+    """Independent model: per traj_id, the stripped end version of its highest-segment sample (the later
+    sample on a tie) among those whose label is a real version."""
+    best: dict[str, tuple[int, int, str]] = {}
+    for order, smp in enumerate(group["samples"]):
+        label = None if smp["end_version"] is None else str(smp["end_version"]).strip()
+        if smp["traj_id"] is None or label is None or label.lower() in ("", "-1", "unknown", "none"):
+            continue
+        key = (smp["segment_index"], order, label)
+        if smp["traj_id"] not in best or best[smp["traj_id"]] <= key:
+            best[smp["traj_id"]] = key
+    return {label for _, _, label in best.values()}
+
+
+def _outside_window(t: StalenessTracker, keep: int, group: dict[str, Any]) -> bool:
+    """Independent model of the window: the newest ``keep`` known versions (all of them when keep is 0)."""
+    window = set(t.versions[-keep:]) if keep else set(t.versions)
+    return keep > 0 and bool(_model_end_versions(group) - window)
 
 
 @FAST
@@ -60,11 +73,13 @@ def test_every_group_is_kept_or_dropped_and_no_kept_group_is_outside_the_window(
             pending, dropped_total = kept, dropped_total + len(dropped)
         for g in event if isinstance(event, list) else []:
             seen += 1
-            if f.keep_group(f"g{seen}", g):
+            kept_now = f.keep_group(f"g{seen}", g)
+            assert kept_now == (not _outside_window(f.tracker, keep, g))  # dropped iff outside, by the model
+            if kept_now:
                 pending.append((f"g{seen}", g))
             else:
                 dropped_total += 1
-        assert not any(_outside_window(f.tracker, g) for _, g in pending)
+        assert not any(_outside_window(f.tracker, keep, g) for _, g in pending)
     assert len(pending) + dropped_total == seen and f.dropped_groups == dropped_total
     if keep == 0:
         assert dropped_total == 0 and f.tracker.versions == PUBLISH_LOG[:published]  # no group observed
