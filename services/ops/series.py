@@ -27,7 +27,8 @@ GAP = ("train/version_gap", "staleness/version_gap")  # the trainer's gap is the
 SPAN = ("staleness/version_span", "train/version_span")
 # {p}:stats counters (ops rows carry them as stats/<name>) shown over time and in the summary.
 COUNTERS = ("groups_produced", "groups_trained", "groups_dropped_stale", "groups_reenqueued",
-            "groups_dead_lettered", "poison_dead_lettered", "groups_duplicate_discarded")
+            "groups_dead_lettered", "poison_dead_lettered", "groups_duplicate_discarded",
+            "partial_rollout_rejected_groups")  # the span cap acting (failed groups, retried)
 
 
 def number(value: Any) -> float | None:
