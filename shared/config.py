@@ -29,6 +29,8 @@ from shared.keys import Keys
 
 ENV_PREFIX = "DRESSAGE_"
 DEV_PASSWORDS = {"", "dressage", "changeme", "password", "redis"}
+# The processes `dressage up` starts (ops.service_threads keys).
+LOCAL_SERVICES = ("engine", "proxy", "trainer", "group-collector", "eval-worker", "prompt-buffer", "rollout-worker")
 
 
 class Section(BaseModel):
@@ -291,6 +293,18 @@ class OpsConfig(Section):
     stop_grace_s: float = Field(default=30.0, ge=0, le=3600)  # SIGTERM -> SIGKILL wait per service tier
     ready_timeout_s: float = Field(default=180.0, gt=0, le=3600)  # engine/proxy /health wait at start
     restart_max: int = Field(default=10, ge=0, le=10_000)  # `up --restart`: restarts per service before giving up
+    # torch CPU threads (OMP_NUM_THREADS) per service started by `dressage up`, e.g. {trainer: 1}; unset = torch's default
+    service_threads: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("service_threads")
+    @classmethod
+    def _known_services(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, n in value.items():
+            if name not in LOCAL_SERVICES:
+                raise ValueError(f"unknown service {name!r} (known: {', '.join(LOCAL_SERVICES)})")
+            if not 1 <= n <= 1024:
+                raise ValueError(f"{name}: threads must be between 1 and 1024, got {n}")
+        return value
 
 
 class DressageConfig(Section):

@@ -100,6 +100,9 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         argv = [c.python, "-m", "services", service, "--config", c.config_path]
         # A stable consumer name per process: a restarted process re-reads its own pending entries.
         penv = {**env, "DRESSAGE_CONSUMER": f"{socket.gethostname()}-{name}", **(extra or {})}
+        threads = cfg.ops.service_threads.get(service)
+        if threads is not None:  # torch reads these at import: intra-op threads of this process
+            penv.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
                            **kw)  # type: ignore[arg-type]
 

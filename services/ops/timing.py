@@ -63,15 +63,30 @@ def _rate(rows: Sequence[Row], name: str) -> float | None:
     return max(0.0, (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]))
 
 
+def covering(rows: Sequence[Row], start: float | None, end: float | None) -> list[Row]:
+    """The rows from the last one at or before ``start`` to the first one at or after ``end`` (all if unknown)."""
+    if start is None or end is None:
+        return list(rows)
+    ts = [number(r.get("ts")) or 0.0 for r in rows]
+    first = max((i for i, t in enumerate(ts) if t <= start), default=0)
+    last = min((i for i, t in enumerate(ts) if t >= end), default=len(rows) - 1)
+    return list(rows[first:last + 1])
+
+
 def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
-    """The run's time decomposition; ``slots`` = rollout workers × concurrency (None: not computed)."""
+    """The run's time decomposition; ``slots`` = rollout workers × concurrency (None: not computed).
+
+    The engine's and proxy's fractions are taken over the trainer loop's lifetime (the samples that
+    cover it), so start-up and the wait for a last evaluation do not dilute them."""
     last = next((r for r in reversed(trainer_rows(rows)) if number(r.get("time/wall_s"))), None)
     wall = number(last.get("time/wall_s")) if last else None
     seconds: dict[str, float] = {}
     if last is not None and wall:
         for p in TRAINER_PHASES:
             seconds[p] = number(last.get(f"time/{p}_s")) or 0.0
-    ops = [r for r in rows if r.get("service") == "ops"]
+    end = number(last.get("ts")) if last else None
+    start = end - wall if end is not None and wall else None
+    ops = covering([r for r in rows if r.get("service") == "ops"], start, end)
     updates = [number(r.get("proxy/weight_updates")) for r in ops]
     groups = [v for v in (number(r.get("rollout/group_seconds")) for r in rows) if v is not None]
     ts = [t for t in (number(r.get("ts")) for r in rows) if t is not None]

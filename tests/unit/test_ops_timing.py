@@ -88,3 +88,10 @@ def test_summary_lines_show_percentages() -> None:
     assert pairs["trainer wait (waiting for a batch)"] == "20.0 %"
     assert pairs["engine busy / idle"] == "60.0 % / 40.0 %"
     assert "trainer wait 20%" in one_line(decompose(rows()))
+
+
+def test_engine_fraction_covers_only_the_trainer_loop() -> None:
+    # samples long before the trainer started and long after it ended (start-up, final eval) are left out
+    extra = [{"service": "ops", "ts": 900.0, "engine/busy_s": 0.0},
+             *rows(), {"service": "ops", "ts": 1200.0, "engine/busy_s": 190.0}]
+    assert decompose(extra).engine_busy == pytest.approx(30.0 / 50.0)

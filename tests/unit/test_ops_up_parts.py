@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,24 @@ def test_plan_has_every_service_in_tiers_with_run_env(tmp_path: Path) -> None:
     # Every child's env is valid config for the services it overrides.
     merged = load_config("configs/cpu-demo.yaml", env=env)
     assert merged.proxy.port == 8811 and merged.redis.prefix == "dressage-r1" and merged.train.max_steps == 7
+
+
+def test_service_threads_set_omp_threads_of_those_services_only(tmp_path: Path) -> None:
+    cfg = load_config("configs/cpu-demo.yaml", env={}, overrides={"ops": {"service_threads": {"trainer": 1,
+                                                                                              "rollout-worker": 2}}})
+    by = {s.name: s.env for s in build_plan(cfg, choices(tmp_path))}
+    assert by["trainer"]["OMP_NUM_THREADS"] == "1" and by["rollout-worker-3"]["OMP_NUM_THREADS"] == "2"
+    assert "OMP_NUM_THREADS" not in by["engine"] or by["engine"]["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")
+
+
+def test_progress_tick_samples_the_probe_into_the_ops_row(tmp_path: Path) -> None:
+    r = fakeredis.FakeRedis()
+    keys = Keys("p")
+    prog = Progress(r, keys, MetricsLog(tmp_path / "metrics.jsonl"), 10, show=False,
+                    probe=lambda: {"engine/busy_s": 12.5, "proxy/weight_update_s": 0.75})
+    prog.finish()
+    ops = [row for row in load_rows(tmp_path / "metrics.jsonl") if row["service"] == "ops"]
+    assert ops[-1]["engine/busy_s"] == 12.5 and ops[-1]["proxy/weight_update_s"] == 0.75
 
 
 def test_plan_without_eval_has_no_eval_worker(tmp_path: Path) -> None:

@@ -1,0 +1,134 @@
+"""One experiment run's row of summary.csv, and the per-variant aggregates (pure: rows in, values out).
+
+Clock: a run's times are the trainer loop's own wall-clock (``time/wall_s`` on each step, zero
+when the trainer starts reading batches -- right after it publishes version 0, before which the
+prompt-buffer releases nothing). Process start-up (model loads, Redis, ports) is the same for
+every variant and is left out, so it cannot dilute a ratio; it is reported as ``startup_s``.
+
+* ``wall_to_k_s``: trainer wall-clock at step K (K = the spec's step target, else the last step);
+* ``time_to_acc_<X>``: wall-clock at which the first version whose greedy eval accuracy is >= X
+  was published (the eval itself runs later; the time the model existed is what counts);
+* ``reward_auc``: the area under the training-reward curve over trainer steps (unit width per step),
+  so a run that learns sooner has a larger area at equal steps;
+* the time decomposition columns come from ``services.ops.timing``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.ops import series, timing
+from services.ops.series import Row, number, pick
+
+COUNTERS = {"groups_produced": "groups_produced", "groups_trained": "groups_trained",
+            "groups_dropped": "groups_dropped_stale", "groups_reenqueued": "groups_reenqueued",
+            "groups_dead_lettered": "groups_dead_lettered"}
+
+
+def target_column(x: float) -> str:
+    return f"time_to_acc_{x:g}"
+
+
+def columns(targets: Sequence[float]) -> list[str]:
+    """summary.csv's header, in order."""
+    return (["variant", "seed", "steps", "wall_to_k_s", "wall_clock_s", "startup_s"]
+            + [target_column(x) for x in targets]
+            + ["final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
+            + list(COUNTERS) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
+
+
+def step_clock(rows: Sequence[Row]) -> dict[int, float]:
+    """Trainer step -> trainer wall-clock (s) at that step (the newest report wins after a restart)."""
+    out: dict[int, float] = {}
+    for r in series.trainer_rows(rows):
+        s, w = pick(r, series.STEP), number(r.get("time/wall_s"))
+        if s is not None and w is not None:
+            out[int(s)] = w
+    return out
+
+
+def publish_clock(rows: Sequence[Row]) -> dict[int, float]:
+    """Published version -> trainer wall-clock (s) when it was published (version 0: at 0)."""
+    out: dict[int, float] = {0: 0.0}
+    for r in series.trainer_rows(rows):
+        v, w = number(r.get("train/published_version")), number(r.get("time/wall_s"))
+        if v is not None and w is not None:
+            out[int(v)] = w
+    return out
+
+
+def eval_curve(rows: Sequence[Row]) -> list[tuple[int, float]]:
+    """(version, accuracy) in version order, one per evaluated version."""
+    acc = series.per_version(series.eval_rows(rows), series.EVAL_ACC)
+    return [(int(v), a) for v, a in zip(acc.x, acc.y, strict=True)]
+
+
+def time_to_accuracy(rows: Sequence[Row], target: float) -> float | None:
+    """Wall-clock at which the first version with eval accuracy >= target was published; None if never."""
+    published = publish_clock(rows)
+    for version, acc in eval_curve(rows):
+        if acc >= target and version in published:
+            return published[version]
+    return None
+
+
+def reward_curve(rows: Sequence[Row]) -> list[tuple[int, float]]:
+    curve = series.per_step(rows, series.REWARD)
+    return [(int(s), y) for s, y in zip(curve.x, curve.y, strict=True)]
+
+
+def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[float], k_steps: int | None,
+            slots: int | None, started_at: float | None, run_dir: str) -> dict[str, Any]:
+    clock = step_clock(rows)
+    last = max(clock) if clock else None
+    k = k_steps if k_steps is not None and k_steps in clock else last
+    trainer = series.trainer_rows(rows)
+    first_ts = number(trainer[0].get("ts")) if trainer else None
+    first_wall = number(trainer[0].get("time/wall_s")) if trainer else None
+    evals = eval_curve(rows)
+    rewards = [y for _, y in reward_curve(rows)]
+    diffs = [y for y in (pick(r, series.LOGPROB_DIFF) for r in trainer) if y is not None]
+    stats = next((r for r in reversed(rows) if r.get("service") == "ops" and any(
+        str(key).startswith("stats/") for key in r)), {})
+    startup = None
+    if first_ts is not None and first_wall is not None and started_at is not None:
+        startup = first_ts - first_wall - started_at  # the trainer loop's start, after the run's start
+    row: dict[str, Any] = {
+        "variant": variant, "seed": seed, "steps": last,
+        "wall_to_k_s": clock.get(k) if k is not None else None,
+        "wall_clock_s": clock.get(last) if last is not None else None,
+        "startup_s": startup,
+    }
+    for x in targets:
+        row[target_column(x)] = time_to_accuracy(rows, x)
+    row.update({
+        "final_eval_acc": evals[-1][1] if evals else None,
+        "best_eval_acc": max(a for _, a in evals) if evals else None,
+        "reward_auc": sum(rewards) if rewards else None,
+        "logprob_abs_diff_mean": sum(diffs) / len(diffs) if diffs else None,
+    })
+    for col, counter in COUNTERS.items():
+        row[col] = int(number(stats.get(f"stats/{counter}", 0)) or 0) if stats else None
+    row.update(timing.columns(timing.decompose(rows, slots)))
+    row["run_dir"] = run_dir
+    return row
+
+
+def as_csv_value(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def values(rows: Sequence[Mapping[str, Any]], variant: str, column: str) -> list[float]:
+    """The numeric values of ``column`` over the runs of ``variant`` (missing ones left out)."""
+    out = []
+    for r in rows:
+        if r.get("variant") == variant:
+            v = number(r.get(column))
+            if v is not None:
+                out.append(v)
+    return out

@@ -1,0 +1,100 @@
+"""``dressage experiment`` end to end on a tiny spec (2 variants × 2 seeds × 2 trainer steps, real services).
+
+The runner is SIGKILLed while its second run is going (its ``dressage up`` keeps running, orphaned),
+then started again: the finished run is skipped, the interrupted one is stopped and run again from
+scratch, and summary.csv ends with exactly one row per run. On the recorded runs the trainer's four
+phases (waiting for a batch, training, checkpointing, publishing) account for its wall-clock
+within 5 %.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "reverse-tiny"
+    subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "reverse", "--out", str(out),
+                    "--warm-steps", "0", "--threads", "1"], cwd=REPO, check=True, capture_output=True, timeout=180)
+    return out
+
+
+def tiny_spec(tmp_path: Path, model: Path) -> Path:
+    spec = {
+        "name": "tiny", "base": str(REPO / "configs/test.yaml"), "baseline": "sync", "seeds": [0, 1],
+        "stop": {"steps": 2}, "targets": [0.5],
+        "overrides": {"model.path": str(model), "eval.every_versions": 0, "ops.workers": 1},
+        "variants": {"sync": {"pacing.max_versions_ahead": 0, "staleness.keep_versions": 0},
+                     "async": {"pacing.max_versions_ahead": 1}},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def start(spec: Path, out: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    with log.open("ab") as fh:
+        return subprocess.Popen([sys.executable, "-m", "services", "experiment", str(spec), "--out", str(out),
+                                 "--quiet"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate: object, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        assert proc.poll() is None, f"runner exited early:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}")
+
+
+def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path: Path, model_dir: Path) -> None:
+    spec, out, log = tiny_spec(tmp_path, model_dir), tmp_path / "experiments", tmp_path / "runner.log"
+    root = out / "tiny"
+    first, second = root / "sync" / "seed0", root / "sync" / "seed1"
+    proc = start(spec, out, log)
+    try:
+        wait_for(lambda: (first / "result.json").exists() and (second / "child.json").exists(), 400, proc, log)
+        orphan = json.loads((second / "child.json").read_text())["pid"]
+        proc.send_signal(signal.SIGKILL)  # the runner dies; its dressage up of sync/seed1 keeps going
+        proc.wait(10)
+        finished_once = (first / "result.json").read_text()
+        assert not (second / "result.json").exists()
+        proc = start(spec, out, log)
+        assert proc.wait(900) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (first / "result.json").read_text() == finished_once  # skipped, not run again
+    assert not (second / "child.json").exists()  # settled: the re-run finished
+    with pytest.raises(ProcessLookupError):
+        os.kill(orphan, 0)  # the orphaned run was stopped before its folder was reused
+    with (root / "summary.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted((r["variant"], r["seed"]) for r in rows) == [("async", "0"), ("async", "1"), ("sync", "0"),
+                                                               ("sync", "1")]
+    for r in rows:
+        assert float(r["steps"]) == 2 and float(r["wall_to_k_s"]) > 0
+        phases = sum(float(r[f"trainer_{p}_frac"]) for p in ("wait", "train", "checkpoint", "publish"))
+        assert 0.95 <= phases <= 1.0 + 1e-6, r  # the decomposition sums to the trainer's wall-clock
+        assert 0.0 <= float(r["engine_busy_frac"]) <= 1.0
+    for name in ("report.html", "results.md", "learning_vs_step.png", "learning_vs_wallclock.png",
+                 "logprob_diff.png", "version_gap.png", "time_split.png"):
+        assert (root / name).stat().st_size > 0, name
+    results = (root / "results.md").read_text()
+    assert "dressage experiment" in results and "git commit" in results and "cores" in results
+    assert "async/sync wall-clock to 2 steps:" in results
