@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,3 +163,17 @@ def _partial_suffix(text: str, token: str) -> int:
         if text.endswith(token[:n]):
             return n
     return 0
+
+
+def tool_call_metrics(sample_metas: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Training metrics of tool use from the proxy's per-sample counts (``meta.tool_calls`` and
+    ``meta.malformed_tool_calls``): the share of well-formed calls and calls per sample; {} when
+    no sample made a call (tasks without tools report nothing)."""
+    ok = bad = n = 0
+    for meta in sample_metas:
+        n += 1
+        ok += int(meta.get("tool_calls", 0) or 0)
+        bad += int(meta.get("malformed_tool_calls", 0) or 0)
+    if ok + bad == 0:
+        return {}
+    return {"tool_calls/well_formed_frac": ok / (ok + bad), "tool_calls/per_sample": (ok + bad) / max(n, 1)}

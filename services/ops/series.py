@@ -25,6 +25,7 @@ EVAL_ACC = ("eval/accuracy", "eval_accuracy")
 EVAL_REWARD = ("eval/reward", "eval/reward_mean")
 GAP = ("train/version_gap", "staleness/version_gap")  # the trainer's gap is the one at training time  # prefixes of *_mean/_max/_hist
 SPAN = ("staleness/version_span", "train/version_span")
+TOOL_WELL_FORMED = ("train/tool_calls/well_formed_frac",)  # tool-using tasks only (shared.toolcalls)
 # {p}:stats counters (ops rows carry them as stats/<name>) shown over time and in the summary.
 COUNTERS = ("groups_produced", "groups_trained", "groups_dropped_stale", "groups_reenqueued",
             "groups_dead_lettered", "poison_dead_lettered", "groups_duplicate_discarded",
@@ -181,6 +182,11 @@ def summary(rows: Sequence[Row]) -> list[tuple[str, str]]:
         ("eval accuracy, best", fmt(max(evals.y) if evals else None)),
         ("train_rollout_logprob_abs_diff, mean", fmt(_mean(diffs), 4)),
     ]
+    well_formed = [y for y in (pick(r, TOOL_WELL_FORMED) for r in train) if y is not None]
+    if well_formed:  # a tool-using task: how often the model's tool calls parse
+        j = max(1, len(well_formed) // 5)
+        out += [(f"well-formed tool calls, first {j} steps", fmt(_mean(well_formed[:j]))),
+                (f"well-formed tool calls, last {j} steps", fmt(_mean(well_formed[-j:])))]
     for c in COUNTERS:  # a counter never incremented is absent from {p}:stats: 0 once a snapshot exists
         value = number(last_stats.get(f"stats/{c}", 0 if last_stats else None))
         out.append((c.replace("_", " "), fmt(value, 0)))

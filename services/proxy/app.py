@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,20 @@ from services.proxy.auth import PRINCIPAL
 from services.proxy.chat import chat_plan
 from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound
 from services.proxy.guards import Guard
+from services.proxy.messages_api import (
+    MESSAGES_UNSUPPORTED,
+    MessagesRequest,
+    message_body,
+    message_stream,
+    messages_plan,
+)
+from services.proxy.responses_api import (
+    RESPONSES_UNSUPPORTED,
+    ResponsesRequest,
+    response_body,
+    response_stream,
+    responses_plan,
+)
 from services.proxy.runtime import ProxyRuntime
 from services.proxy.schemas import (
     CHAT_UNSUPPORTED,
@@ -38,10 +53,11 @@ from services.proxy.schemas import (
     refuse_unsupported,
 )
 from services.proxy.sessions import Session, check_session_id
-from services.proxy.turns import LiveTurn, TurnPlan, run_turn
+from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, run_turn
 from shared.edge import BadJson, loads_json
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", ChatRequest, ResponsesRequest, MessagesRequest)
 
 TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
 
@@ -106,24 +122,32 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
     def token_text(ids: list[int]) -> str:
         return rt.decode(ids, skip_special_tokens=False)
 
-    async def chat(request: Request, path_sid: str | None) -> Response:
+    async def surface(request: Request, path_sid: str | None, unsupported: dict[str, tuple[Any, str]],
+                      model: type[M], plan_of: Callable[[M], TurnPlan], whole: Callable[[TurnResult, M], Any],
+                      streamed: Callable[[LiveTurn, M], AsyncIterator[bytes]]) -> Response:
+        """One model call on any API surface: validate, plan, run (whole or streamed), render."""
         raw = await _json_body(request)
-        refuse_unsupported(raw, CHAT_UNSUPPORTED)
-        req = parse(ChatRequest, raw, rt.limits)
-        sid = _session_id(path_sid, request, req.session_id)
+        refuse_unsupported(raw, unsupported)
+        req = parse(model, raw, rt.limits)
+        sid = _session_id(path_sid, request, getattr(req, "session_id", None))
         partial = _partial(request, rt.cfg.partial_rollout)
-        plan = chat_plan(req, rt.cfg.max_tokens_limit)
-        top = plan.top_logprobs if req.logprobs else None
+        plan = plan_of(req)
         headers = {"X-Session-Id": sid}
-        if not req.stream:
-            res = await run_turn(rt, sid, partial, plan)
-            return JSONResponse(fmt.chat_completion(res, rt.model_name, top, req.return_token_ids, token_text),
-                                headers=headers)
+        if not plan.stream:
+            return JSONResponse(whole(await run_turn(rt, sid, partial, plan), req), headers=headers)
         live = LiveTurn(rt, sid, partial, plan)
-        await live.started()
-        include = req.stream_options.include_usage if req.stream_options else False
-        return StreamingResponse(fmt.chat_stream(live, rt.model_name, include, top, req.return_token_ids, token_text),
-                                 media_type="text/event-stream", headers=headers)
+        await live.started()  # a refusal before the first token is still an HTTP error
+        return StreamingResponse(streamed(live, req), media_type="text/event-stream", headers=headers)
+
+    def chat_logprobs(req: ChatRequest) -> int | None:
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    async def chat(request: Request, path_sid: str | None) -> Response:
+        return await surface(
+            request, path_sid, CHAT_UNSUPPORTED, ChatRequest, lambda r: chat_plan(r, rt.cfg.max_tokens_limit),
+            lambda res, r: fmt.chat_completion(res, rt.model_name, chat_logprobs(r), r.return_token_ids, token_text),
+            lambda live, r: fmt.chat_stream(live, rt.model_name, bool(r.stream_options and r.stream_options.include_usage),
+                                            chat_logprobs(r), r.return_token_ids, token_text))
 
     async def generate(request: Request, path_sid: str | None) -> Response:
         req = parse(GenerateRequest, await _json_body(request), rt.limits)
@@ -140,6 +164,23 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         body = fmt.token_response(res, res.output.final_text, req.rid, req.return_logprob)
         return JSONResponse(body, headers={"X-Session-Id": sid})
 
+    async def responses(request: Request, path_sid: str | None) -> Response:
+        return await surface(request, path_sid, RESPONSES_UNSUPPORTED, ResponsesRequest,
+                             lambda r: responses_plan(r, rt.cfg.max_tokens_limit),
+                             lambda res, r: response_body(res, r, rt.model_name),
+                             lambda live, r: response_stream(live, r, rt.model_name))
+
+    async def messages(request: Request, path_sid: str | None) -> Response:
+        return await surface(request, path_sid, MESSAGES_UNSUPPORTED, MessagesRequest, messages_plan,
+                             lambda res, r: message_body(res, rt.model_name),
+                             lambda live, r: message_stream(live, rt.model_name))
+
+    async def responses_route(request: Request) -> Response:
+        return await responses(request, request.path_params.get("session_id"))
+
+    async def messages_route(request: Request) -> Response:
+        return await messages(request, request.path_params.get("session_id"))
+
     async def chat_route(request: Request) -> Response:
         return await chat(request, request.path_params.get("session_id"))
 
@@ -150,6 +191,8 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
     for prefix in ("", "/s/{session_id}"):
         app.add_route(f"{prefix}/v1/chat/completions", chat_route, methods=["POST"])
         app.add_route(f"{prefix}/v1/generate", generate_route, methods=["POST"])
+        app.add_route(f"{prefix}/v1/responses", responses_route, methods=["POST"])
+        app.add_route(f"{prefix}/v1/messages", messages_route, methods=["POST"])
 
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")

@@ -55,6 +55,8 @@ class Segment:
     finish_reason: str = "stop"  # of the last turn recorded in this segment
     turns: int = 0
     preempts: int = 0  # interruptions (resumed chunks) across this segment's turns
+    tool_calls: int = 0  # well-formed tool calls the model wrote in this segment's turns
+    malformed_tool_calls: int = 0  # <tool_call> blocks that did not parse (returned as text)
 
     def extended_by(self, prompt_ids: list[int]) -> bool:
         n = len(self.token_ids)
@@ -109,7 +111,9 @@ class Session:
                 traj_id=self.session_id, segment_index=i, token_ids=list(seg.token_ids),
                 loss_mask=list(seg.loss_mask), logprobs=list(seg.logprobs),
                 token_versions=list(seg.token_versions), reward=0.0, finish_reason=seg.finish_reason,
-                meta={"turns": seg.turns, "preempts": seg.preempts, "partial_mode": self.partial},
+                meta={"turns": seg.turns, "preempts": seg.preempts, "partial_mode": self.partial,
+                      **({"tool_calls": seg.tool_calls, "malformed_tool_calls": seg.malformed_tool_calls}
+                         if seg.tool_calls or seg.malformed_tool_calls else {})},
                 **sample_version_fields(seg.loss_mask, seg.token_versions),
             )
             out.append(sample.model_dump(mode="json"))

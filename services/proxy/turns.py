@@ -94,6 +94,10 @@ async def _execute(rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnP
     ids, out, sampling, fields = prepared
     gen, seg = await rt.turn(session_id, partial, ids, plan.max_new_tokens, sampling, out, fields)
     out.finish()  # flush held-back text and any open tool-call block
+    if out.splitter.well_formed or out.splitter.malformed:  # the tool agent's training metric
+        segment = rt.sessions.get(session_id).segments[seg]  # no await since the turn was recorded
+        segment.tool_calls += out.splitter.well_formed
+        segment.malformed_tool_calls += out.splitter.malformed
     return TurnResult(gen, out, ids, seg, session_id)
 
 

@@ -34,6 +34,7 @@ from services.trainer.loss import LossConfig, entropy_sum, policy_loss, stalenes
 from services.trainer.parallel import Parallel, Shard, split_rows
 from shared.config import TrainConfig
 from shared.schemas import Batch
+from shared.toolcalls import tool_call_metrics
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class Learner:
             "train/step_time_s": seconds,
             "train/skipped_nonfinite": float(skipped),
         }
+        metrics.update({f"train/{k}": v for k, v in tool_call_metrics(
+            s.meta for b in batches for g in b.groups for s in g.samples).items()})
         if self.loss_cfg.kl_coef > 0:
             metrics["train/kl"] = sums["kl"] / denom
         if self.loss_cfg.tis_cap is not None:

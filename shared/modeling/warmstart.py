@@ -57,8 +57,9 @@ class WarmStartReport:
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy accuracy)
 
 
-def _turn_example(tokenizer: PreTrainedTokenizerBase, messages: list[Any], reply: str, eos: int) -> Example:
-    prompt_ids = chat_input_ids(tokenizer, messages, add_generation_prompt=True)
+def _turn_example(tokenizer: PreTrainedTokenizerBase, messages: list[Any], reply: str, eos: int,
+                  tools: list[dict[str, Any]] | None = None) -> Example:
+    prompt_ids = chat_input_ids(tokenizer, messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
     reply_ids = [int(i) for i in tokenizer.encode(reply, add_special_tokens=False)] + [eos]
     return Example(prompt_ids + reply_ids, [0] * len(prompt_ids) + [1] * len(reply_ids))
 
@@ -93,7 +94,7 @@ def demonstration_examples(
     examples: list[Example] = []
     for row in rows:
         turns = [
-            _turn_example(tokenizer, list(messages), reply, int(eos))
+            _turn_example(tokenizer, list(messages), reply, int(eos), getattr(task, "tools", None))
             for messages, reply in task.demonstration(row["prompt"], row["reference"])
         ]
         examples.extend(_merge_turns(turns))
@@ -158,6 +159,7 @@ def evaluate(
                 greedy=greedy,
                 temperature=temperature,
                 seed=seed + 7919 * turn + start,
+                tools=getattr(task, "tools", None),
             )
             for ep, reply in zip(chunk, replies, strict=True):
                 ep.step(reply.text)

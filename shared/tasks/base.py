@@ -8,7 +8,9 @@ Invariants every task keeps:
 * ``generate(n, seed)`` is a pure function of ``(n, seed)``; its rows are JSON-serialisable and
   pairwise distinct in ``(prompt, reference)``.
 * text stays inside the char-level vocabulary: printable ASCII 32..126 and ``"\\n"``; prompts are
-  shorter than 40 characters and answers shorter than 12.
+  shorter than 40 characters and answers shorter than 12 (a tool call, in the Hermes format of
+  ``shared.toolcalls``, is not an answer; tool-using tasks list their tools in a ``tools``
+  attribute, in OpenAI's shape).
 * ``reward()`` is in ``[0, 1]``; ``correct()`` implies ``reward() == 1.0``.
 * a garbage reply is a wrong answer, never an exception; a bad ``reference`` raises
   :class:`InvalidReference` naming the field at the edge (``start`` / ``validate_reference``).

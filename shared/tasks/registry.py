@@ -5,9 +5,10 @@ from __future__ import annotations
 from shared.errors import UnknownTask
 from shared.tasks.base import Task
 from shared.tasks.guess import GuessTask
+from shared.tasks.lookup import LookupTask
 from shared.tasks.single_turn import AddTask, ReverseTask
 
-_TASKS: dict[str, Task] = {t.name: t for t in (ReverseTask(), AddTask(), GuessTask())}
+_TASKS: dict[str, Task] = {t.name: t for t in (ReverseTask(), AddTask(), GuessTask(), LookupTask())}
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
 

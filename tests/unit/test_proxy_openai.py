@@ -186,3 +186,65 @@ def test_generate_accepts_sglang_fields_and_strips_special_tokens() -> None:
         r = await c.post("/v1/generate", json={"input_ids": [7]})
         assert r.json()["text"] == "fin"
     run_proxy(t, engine=FakeEngine(script=ids("hello xx world")))
+
+
+def sse_events(text: str) -> list[tuple[str, Any]]:
+    out, kind = [], ""
+    for line in text.splitlines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            out.append((kind, json.loads(line[6:])))
+    return out
+
+
+def test_responses_api_maps_input_and_tools_onto_the_same_session_core() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        tools = [{"type": "function", "name": "lookup", "parameters": TOOLS[0]["function"]["parameters"]}]
+        r = await c.post("/s/resp-1/v1/responses", json={"input": "code of qzt?", "tools": tools,
+                                                         "max_output_tokens": 200})
+        body = r.json()
+        assert r.status_code == 200 and body["object"] == "response" and body["status"] == "completed"
+        call = body["output"][0]
+        assert call["type"] == "function_call" and call["name"] == "lookup" and call["arguments"] == '{"key": "qzt"}'
+        eng.script = ids("4821")
+        follow = [{"role": "user", "content": "code of qzt?"},
+                  {"type": "function_call", "call_id": call["call_id"], "name": "lookup", "arguments": call["arguments"]},
+                  {"type": "function_call_output", "call_id": call["call_id"], "output": "4821"}]
+        r = await c.post("/s/resp-1/v1/responses", json={"input": follow, "tools": tools, "stream": True})
+        events = sse_events(r.text)
+        kinds = [k for k, _ in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert "".join(d["delta"] for k, d in events if k == "response.output_text.delta") == "4821"
+        assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "4821"
+        samples = rt.sessions.get("resp-1").samples()
+        assert len(samples) == 1 and samples[0]["meta"]["tool_calls"] == 1  # one trajectory, the call counted
+        r = await c.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    run_proxy(t, engine=FakeEngine(script=ids(CALL)))
+
+
+def test_messages_api_maps_tool_use_and_tool_result_blocks_and_streams_events() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        tools = [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]
+        r = await c.post("/v1/messages", json={"max_tokens": 200, "messages": MSG, "tools": tools},
+                         headers={"X-Session-Id": "msg-1"})
+        body = r.json()
+        assert body["type"] == "message" and body["stop_reason"] == "tool_use"
+        block = body["content"][0]
+        assert block["type"] == "tool_use" and block["input"] == {"key": "qzt"}
+        eng.script = ids("4821 END more")
+        msgs = [*MSG, {"role": "assistant", "content": [block]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"], "content": "4821"}]}]
+        r = await c.post("/v1/messages", json={"max_tokens": 50, "messages": msgs, "tools": tools, "stream": True,
+                                               "stop_sequences": [" END"]}, headers={"X-Session-Id": "msg-1"})
+        events = sse_events(r.text)
+        assert [k for k, _ in events][0] == "message_start" and events[-1][0] == "message_stop"
+        assert "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta") == "4821"
+        delta = next(d for k, d in events if k == "message_delta")
+        assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": " END"}
+        assert len(rt.sessions.get("msg-1").samples()) == 1
+        r = await c.post("/v1/messages", json={"max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {}}]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0.type"
+    run_proxy(t, engine=FakeEngine(script=ids(CALL)))

@@ -32,8 +32,8 @@ def _score(task: str, prompt: str, reference: object, reply: str) -> float:
     return ep.reward()
 
 
-def test_registry_knows_the_three_tasks() -> None:
-    assert set(TASK_NAMES) == {"reverse", "add", "guess"}
+def test_registry_knows_the_four_tasks() -> None:
+    assert set(TASK_NAMES) == {"reverse", "add", "guess", "lookup"}
     assert get_task("guess").multi_turn and not get_task("reverse").multi_turn
 
 
@@ -155,7 +155,7 @@ def test_generated_text_fits_the_char_vocabulary_and_length_limits(name: str) ->
     for row in task.generate(300, seed=1):
         assert set(row["prompt"]) <= VOCAB and len(row["prompt"]) < 40
         for messages, reply in task.demonstration(row["prompt"], row["reference"]):
-            assert set(reply) <= VOCAB and len(reply) < 12
+            assert set(reply) <= VOCAB and (len(reply) < 12 or reply.startswith("<tool_call>"))
             assert all(set(m["content"]) <= VOCAB for m in messages)
 
 
@@ -290,3 +290,20 @@ def test_write_then_load_round_trips(tmp_path: Path) -> None:
     rows = get_task("guess").generate(10, seed=0)
     assert write_dataset(tmp_path / "x" / "g.jsonl", rows) == 10
     assert load_dataset(tmp_path / "x" / "g.jsonl") == rows
+
+
+def test_lookup_episode_runs_the_tool_loop_and_counts_malformed_calls() -> None:
+    task = get_task("lookup")
+    row = task.generate(1, seed=5)[0]
+    key = row["prompt"][len("code of "):-1]
+    ep = task.start(row["prompt"], row["reference"])
+    ep.step(f'<tool_call>\n{{"name": "lookup", "arguments": {{"key": "{key}"}}}}\n</tool_call>')
+    assert ep.messages()[-1] == {"role": "tool", "content": row["reference"]} and not ep.done
+    ep.step(row["reference"])
+    assert ep.done and ep.correct() and ep.reward() == 1.0 and (ep.tool_calls, ep.malformed) == (1, 0)
+    bad = task.start(row["prompt"], row["reference"])
+    bad.step("<tool_call>\n{oops}\n</tool_call>")  # not a call: the raw text is the answer, as the proxy returns it
+    assert bad.done and bad.reward() == 0.0 and (bad.tool_calls, bad.malformed) == (0, 1)
+    guess = task.start(row["prompt"], row["reference"])
+    guess.step("1234" if row["reference"] != "1234" else "4321")  # answering without the tool
+    assert guess.done and not guess.correct() and guess.tool_calls == 0

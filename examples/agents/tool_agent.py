@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""A tool-using black-box agent, written with the official ``openai`` SDK, for the ``lookup`` task.
+
+Use it as ``rollout.agent_command: [python, examples/agents/tool_agent.py]`` (configs/tool-agent.yaml).
+Protocol (services/rollout_worker/agents.py): ``OPENAI_BASE_URL`` is the worker's session URL on
+the proxy, so every model call below is recorded as one trajectory; stdin is
+``{"messages", "task", "max_new_tokens", "temperature", "session_id"}``; stdout ``{"reply": ...}``.
+
+The loop is what coding agents do on every turn: send the conversation and the tool list, run
+each tool call the model makes and send its result back as a ``tool`` message, until the model
+answers without calling a tool (or ``MAX_TURNS`` calls were made). The tool itself is the task's
+(``shared.tasks.lookup.run_tool``), so the agent and the verifier agree on what the tool returns.
+On a proxy error the agent prints ``{"error": <code>, "message": ...}`` and exits 3, so the worker
+classifies e.g. ``partial_rollout_staleness_exceeded`` correctly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import openai
+
+from shared.tasks.lookup import TOOLS, LookupTask, run_tool
+from shared.toolcalls import ToolCall
+
+MAX_TURNS = LookupTask.max_turns
+
+
+def run(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> str:
+    """The agent loop; returns the model's final answer ("" if it only ever called tools)."""
+    for _ in range(MAX_TURNS):
+        resp = client.chat.completions.create(model="policy", messages=messages,  # type: ignore[arg-type]
+                                              tools=TOOLS, max_tokens=max_tokens,  # type: ignore[arg-type]
+                                              temperature=temperature)
+        msg = resp.choices[0].message
+        if not msg.tool_calls:
+            return msg.content or ""
+        messages.append(msg.model_dump(exclude_none=True))  # the assistant turn, tool calls included
+        for call in msg.tool_calls:
+            fn = call.function  # type: ignore[union-attr]
+            result = run_tool(ToolCall(call.id, fn.name, fn.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return ""
+
+
+def main() -> int:
+    task = json.loads(sys.stdin.read())
+    client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ.get("OPENAI_API_KEY", "none"),
+                           max_retries=0, timeout=600)
+    try:
+        reply = run(client, list(task["messages"]), int(task.get("max_new_tokens") or 96),
+                    float(task.get("temperature", 1.0)))
+    except openai.APIStatusError as exc:
+        code = exc.code or f"http_{exc.status_code}"
+        sys.stdout.write(json.dumps({"error": code, "message": exc.message}) + "\n")
+        sys.stderr.write(f"tool_agent: proxy answered {exc.status_code} {code}: {exc.message}\n")
+        return 3
+    sys.stdout.write(json.dumps({"reply": reply}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
