@@ -34,7 +34,15 @@ from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTra
 from shared.versionbus import publish_version  # noqa: E402
 
 
-def collector_rate(r: redis.Redis, entries: list[dict[str, bytes]], per_batch: int, round_no: int) -> float:
+def redis_cpu(r: redis.Redis) -> float:
+    """CPU seconds the redis-server process has used (user + system)."""
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def collector_rate(r: redis.Redis, entries: list[dict[str, bytes]], per_batch: int, round_no: int,
+                   cpu: dict[str, float] | None = None) -> float:
+    """Groups/s of one burst run; ``cpu`` (if given) gets the CPU seconds of this process and of Redis."""
     keys = Keys(f"bench{round_no}")
     for v in ("4", "5"):
         publish_version(r, keys, WeightVersion(version=v, path="/x", step=int(v), published_at=time.time()))
@@ -45,9 +53,12 @@ def collector_rate(r: redis.Redis, entries: list[dict[str, bytes]], per_batch: i
     core = CollectorCore(StalenessGroupFilter(StalenessTracker(StalenessConfig(2))), per_batch, 2)
     collector = GroupCollector(r, keys, core, CollectorConfig(max_ready_batches=1000, read_count=64, trim_interval_s=0),
                                StalenessSection(keep_versions=2), consumer="bench", burst=True)
-    start = time.perf_counter()
+    start, cpu0, rcpu0 = time.perf_counter(), time.process_time(), redis_cpu(r)
     collector.run()
     rate = len(entries) / (time.perf_counter() - start)
+    if cpu is not None:
+        cpu["process"] = time.process_time() - cpu0
+        cpu["redis"] = redis_cpu(r) - rcpu0
     batched = int(r.hget(keys.custom("stats"), "groups_batched") or 0)
     assert batched == len(entries) - len(entries) % per_batch, f"collector batched {batched}/{len(entries)}"
     for key in r.scan_iter(f"{keys.prefix}:*"):

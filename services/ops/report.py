@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             sys.stderr.write(f"dressage report: {exc}\n")
             return 2
-        import redis
+        from shared.redisconn import connect, run_prefix
 
         url = args.redis_url or cfg.redis.url
         pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
-        r = redis.Redis.from_url(url, password=pw, socket_connect_timeout=5)
-        rows = read_stream(r, Keys(args.prefix or cfg.redis.prefix))
+        r = connect(url, pw)  # redis://, redis+cluster://, redis+sentinel://
+        rows = read_stream(r, Keys(run_prefix(args.prefix or cfg.redis.prefix, url)))
     else:
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.exists():

@@ -194,14 +194,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import redis
 
+    from shared.redisconn import connect, run_prefix
+
     args = parse_args(argv)
     try:
         t = resolve_target(args)
     except (ConfigError, OSError, ValueError, KeyError) as exc:
         sys.stderr.write(f"dressage status: {exc}\n")
         return 2
-    r: Any = redis.Redis.from_url(t.url, password=t.password, socket_connect_timeout=5, socket_timeout=10)
-    keys = Keys(t.prefix)
+    r: Any = connect(t.url, t.password, socket_timeout=10)  # redis://, redis+cluster://, redis+sentinel://
+    keys = Keys(run_prefix(t.prefix, t.url))
     where = f"redis={public_url(t.url)}"  # never print a password from the URL
     previous: Snapshot | None = None
     try:
