@@ -15,10 +15,13 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
-# The base image's CUDA torch satisfies the torch requirement, so pip keeps it.
-RUN pip install . && mkdir -p /checkpoints /app/models /app/runs
+# The base image's CUDA torch satisfies the torch requirement, so pip keeps it. CUDA needs no root:
+# the trainer runs as uid 10001 like the CPU image (the SGLang engine image itself stays upstream's).
+RUN pip install . && useradd --create-home --uid 10001 dressage \
+    && mkdir -p /checkpoints /app/models /app/runs && chown dressage /checkpoints /app/models /app/runs
 COPY configs ./configs
 COPY data ./data
+USER dressage
 ENTRYPOINT ["dressage"]
 CMD ["--help"]
 

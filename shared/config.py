@@ -378,22 +378,25 @@ def _describe(err: Any) -> str:
     return f"{key}: {err.get('msg')}{allowed}; got {got}"
 
 
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A YAML file holding a mapping (an empty file is an empty one); ConfigError naming the file otherwise."""
+    p = Path(path)
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{what} not found: {p}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {p} is not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {p} must be a mapping")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
                 overrides: dict[str, dict[str, Any]] | None = None) -> DressageConfig:
     """Read ``path`` (YAML; None = defaults), apply env and explicit overrides, validate."""
     env = dict(os.environ) if env is None else env
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file not found: {p}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must be a mapping of sections")
-        data = loaded or {}
+    data: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     for source in (_env_overrides(env), overrides or {}):
         for section, values in source.items():
             current = data.get(section) or {}

@@ -20,55 +20,113 @@ import hashlib
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from shared.config import DEV_PASSWORDS
 
-BASE_COMMANDS = "+@all -@dangerous -@admin -publish"
-# Keys every pipeline service writes: counters, metric reports, dead letters.
-COMMON_RW = ("stats", "metrics", "dead")
-RULES: dict[str, dict[str, tuple[str, ...]]] = {
-    # rw: read-write key patterns; ro: read-only patterns; channels: pub/sub channels (subscribe only)
-    "prompt-buffer": {"rw": ("prompts", "prompt_buffer:*"), "ro": ("weights:*", "control", "trainer:*"),
-                      "channels": ("weights",)},
-    "rollout-worker": {"rw": ("prompts", "rollouts"), "ro": ("weights:*", "control"), "channels": ("weights",)},
-    "group-collector": {"rw": ("prompts", "rollouts", "batches", "collector:*"), "ro": ("weights:*", "control"),
-                        "channels": ("weights",)},
-    # eval:* holds {p}:eval:pinned (shared/evaluation.py): the trainer pins and reads, the eval worker unpins.
-    "trainer": {"rw": ("batches", "weights:*", "trainer:*", "eval:*"), "ro": ("control",), "channels": ("weights",)},
-    "proxy": {"rw": (), "ro": ("weights:*", "control"), "channels": ("weights",)},
-    "eval-worker": {"rw": ("eval:*",), "ro": (), "channels": ()},
-    "ops": {"rw": (), "ro": ("*",), "channels": ()},  # dressage status / report: read everything
+# Every user: the connection handshake, PING, transactions and the version-bus subscription.
+CONNECTION = "+auth +hello +ping +client|setname +client|id +select +time +scan +multi +exec +discard +unwatch"  # SCAN: heartbeat checks (names only)
+SUBSCRIBE = "+subscribe +unsubscribe +psubscribe +punsubscribe"
+STREAM_READ = "+xreadgroup +xread +xrange +xrevrange +xlen +xpending +xinfo|groups +xinfo|stream +xinfo|consumers"
+STREAM_CONSUME = f"{STREAM_READ} +xack +xautoclaim +xclaim +xgroup|create +xgroup|createconsumer +watch"
+KV_READ = "+get +mget +exists +type +ttl +pttl +hget +hmget +hgetall +hexists +smembers +sismember +smismember +scard"
+KV_WRITE = "+set +hset +hincrby +hincrbyfloat +sadd +srem +expire +pexpire +watch"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one service may do; every grant is rendered as its own ACL selector ``( ... )``, so a
+    command is allowed only on the keys of the grant that lists it (Redis ACLs otherwise combine
+    every command with every key pattern of a user)."""
+
+    grants: tuple[tuple[str, tuple[str, ...]], ...]  # (commands, key patterns "%R~x", "%W~x" or "~x")
+    channels: tuple[str, ...] = ()  # subscribe only
+    publish: bool = False  # PUBLISH on its channels (the trainer's weights wake-up)
+    rq: bool = False  # rq's own keys and channels (rq:*), any non-dangerous command on them only
+
+
+def _own(service: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Every pipeline service: its heartbeat key, metric reports (XADD to the capped stream) and counters."""
+    return ((f"+set +pexpire +expire +del {KV_READ}", (f"~health:{service}:*",)),  # DEL: its own beat at exit
+            (f"+xadd {STREAM_READ}", ("~metrics", "~dead")),  # dead letters: read by the brake and ops
+            ("+hincrby +hset +hgetall +hget +hmget", ("~stats",)))
+
+
+# What each service does today (shared/keys.py and the service-private {p}:<service>:* keys).
+# Weight keys ({p}:weights:*) are writable by the trainer alone; {p}:control by no service (ops sets it as admin).
+RULES: dict[str, Rule] = {
+    "prompt-buffer": Rule(grants=(
+        *_own("prompt-buffer"),
+        (f"+xadd +xgroup|create {STREAM_READ}", ("~prompts",)),
+        (f"{KV_READ} {KV_WRITE}", ("~prompt_buffer:*",)),
+        (KV_READ + " " + STREAM_READ, ("%R~weights:*", "%R~control", "%R~trainer:*", "%R~batches", "%R~stats")),
+    ), channels=("weights",)),
+    "rollout-worker": Rule(grants=(
+        *_own("rollout-worker"),
+        (STREAM_CONSUME + " +xadd", ("~prompts",)),  # its group's reads and acks, re-enqueue
+        ("+xadd +xlen", ("~rollouts",)),  # the hand-off only: it never reads or acks the collector's group
+        (KV_READ + " " + STREAM_READ, ("%R~weights:*", "%R~control")),
+    ), channels=("weights",)),
+    "group-collector": Rule(grants=(
+        *_own("group-collector"),
+        (STREAM_CONSUME + " +xadd +xtrim", ("~prompts", "~rollouts")),  # trims the streams it consumes
+        ("+xadd +xlen +xinfo|groups +xrange", ("~batches",)),
+        (f"{KV_READ} {KV_WRITE} +xadd +xtrim {STREAM_READ}", ("~collector:*",)),
+        (KV_READ + " " + STREAM_READ, ("%R~weights:*", "%R~control", "%R~stats")),
+    ), channels=("weights",)),
+    "trainer": Rule(grants=(
+        *_own("trainer"),
+        (STREAM_CONSUME, ("~batches",)),
+        (f"{KV_READ} {KV_WRITE} +xadd +xtrim {STREAM_READ}", ("~weights:*", "~trainer:*", "~eval:*")),
+        (KV_READ, ("%R~control",)),
+    ), channels=("weights",), publish=True, rq=True),
+    "proxy": Rule(grants=(
+        *_own("proxy"),
+        (KV_READ + " " + STREAM_READ, ("%R~weights:*", "%R~control")),
+    ), channels=("weights",)),
+    "eval-worker": Rule(grants=(
+        *_own("eval-worker"),
+        (f"{KV_READ} +srem", ("~eval:*",)),  # unpins the checkpoint it evaluated
+    ), rq=True),
 }
-PUBLISHERS = {"trainer"}  # the only service allowed to PUBLISH (the weights wake-up)
-RQ_USERS = {"trainer", "eval-worker"}  # rq keys and channels (the trainer enqueues, the worker runs)
+OPS = "user ops on #{digest} resetkeys resetchannels -@all +@read +@connection +info %R~{prefix}:* %R~rq:*"
+USERS = (*RULES, "ops")
 
 
 def env_name(service: str) -> str:
     return "REDIS_PASSWORD_" + service.upper().replace("-", "_")
 
 
+def _keys(prefix: str, patterns: tuple[str, ...]) -> str:
+    return " ".join(p.replace("~", f"~{prefix}:", 1) for p in patterns)
+
+
 def user_line(service: str, prefix: str, password: str) -> str:
-    rule = RULES[service]
-    rw = [f"~{prefix}:{k}" for k in (*COMMON_RW, f"health:{service}:*", *rule["rw"])] if service != "ops" else []
-    ro = [f"%R~{prefix}:{k}" for k in rule["ro"]]
-    channels = [f"&{prefix}:{c}" for c in rule["channels"]]
-    commands = BASE_COMMANDS
-    if service in PUBLISHERS:
-        commands += " +publish"
-    if service in RQ_USERS:
-        rw.append("~rq:*")
-        channels.append("&rq:*")
-    if service == "ops":
-        commands = "-@all +@read +@connection +info"  # read-only tool
     digest = hashlib.sha256(password.encode()).hexdigest()
-    parts = [f"user {service} on #{digest} resetkeys resetchannels", *rw, *ro, *channels, commands]
-    return " ".join(parts)
+    if service == "ops":  # dressage status / report / health checks: read-only over the deployment
+        return OPS.format(digest=digest, prefix=prefix)
+    rule = RULES[service]
+    root = [f"user {service} on #{digest} resetkeys resetchannels -@all {CONNECTION}"]
+    channels = [f"&{prefix}:{c}" for c in rule.channels]
+    if channels:
+        root.append(SUBSCRIBE + (" +publish" if rule.publish else ""))
+    selectors = [f"({commands} {_keys(prefix, keys)})" for commands, keys in rule.grants]
+    if rule.rq:  # rq manages its keys with scripts and pipelines; confined to rq:* (scripts are ACL-checked too)
+        selectors.append("(+@all -@dangerous -@admin ~rq:* &rq:*)")
+    return " ".join([*root, *channels, *selectors])
 
 
-def render(prefix: str, passwords: Mapping[str, str]) -> str:
-    """The ACL file; raises ValueError naming the variable of a missing or weak password."""
+def render(prefix: str, passwords: Mapping[str, str], admin_password: str | None = None) -> str:
+    """The ACL file; raises ValueError naming the variable of a missing or weak password.
+    ``admin_password`` (``REDIS_PASSWORD``): the ``default`` user becomes the operator's admin
+    (``redis-cli``, ``dressage`` control commands); without it ``default`` is off."""
     lines = ["user default off resetkeys resetchannels -@all"]  # ACL files take no comments
-    for service in RULES:
+    if admin_password:
+        if admin_password.strip().lower() in DEV_PASSWORDS or len(admin_password) < 12:
+            raise ValueError("REDIS_PASSWORD: a non-default admin password of at least 12 characters is required")
+        digest = hashlib.sha256(admin_password.encode()).hexdigest()
+        lines = [f"user default on #{digest} ~* &* +@all"]
+    for service in USERS:
         pw = passwords.get(service, "")
         if pw.strip().lower() in DEV_PASSWORDS or len(pw) < 12:
             raise ValueError(f"{env_name(service)}: a non-default password of at least 12 characters is required")
@@ -80,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.ops.acl", description=__doc__.splitlines()[0])
     p.add_argument("--prefix", default="dressage")
     args = p.parse_args(argv)
-    passwords = {s: os.environ.get(env_name(s), "") for s in RULES}
+    passwords = {s: os.environ.get(env_name(s), "") for s in USERS}
     try:
-        sys.stdout.write(render(args.prefix, passwords))
+        sys.stdout.write(render(args.prefix, passwords, os.environ.get("REDIS_PASSWORD") or None))
     except ValueError as exc:
         sys.stderr.write(f"acl: {exc}\n")
         return 2

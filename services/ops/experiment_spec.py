@@ -27,10 +27,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shared.config import ENV_PREFIX, SECTIONS, load_config
+from shared.config import ENV_PREFIX, SECTIONS, load_config, read_yaml_mapping
 from shared.errors import ConfigError
 
 NAME = r"^[A-Za-z0-9_.\-]+$"
@@ -175,14 +174,9 @@ def seed_overrides(seed: int) -> dict[str, dict[str, Any]]:
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError as exc:
-        raise SpecError(f"{what} not found: {path}") from exc
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{what} {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise SpecError(f"{what} {path} must be a mapping")
-    return data
+        return read_yaml_mapping(path, what)
+    except ConfigError as exc:
+        raise SpecError(str(exc)) from exc
 
 
 def _pydantic_message(exc: ValidationError) -> str:

@@ -59,18 +59,6 @@ def write_dataset(path: Path, n: int, source: Path = REPO / "data" / "reverse" /
     return path
 
 
-def render_acl(template: Path, passwords: dict[str, str], out: Path) -> Path:
-    """``configs/redis-acl.conf`` as Redis reads it: comments dropped, ``${SERVICE_PASSWORD}`` filled in,
-    and the disabled default user replaced by an unrestricted one without password (loopback test admin)."""
-    lines = [ln for ln in template.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    text = "\n".join(lines) + "\n"
-    for user, pw in passwords.items():
-        text = text.replace("${" + user.upper().replace("-", "_") + "_PASSWORD}", pw)
-    assert "${" not in text, "a password placeholder was left unfilled"
-    out.write_text(text.replace("user default off", "user default on nopass ~* &* +@all"))
-    return out
-
-
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():

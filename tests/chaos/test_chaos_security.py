@@ -3,9 +3,10 @@
 * Every service logs in with ``REDIS_PASSWORD``; a wrong or missing one stops it at once (exit 2)
   with a message naming the setting — never a reconnect loop, never the secret itself.
 * ``redis.require_password`` refuses empty and well-known default passwords.
-* ``configs/redis-acl.conf`` and the ``services.ops.acl`` generator: the whole pipeline runs under
-  one ACL user per service without a single denial, while the rollout worker's user cannot FLUSHALL, publish weights or touch
-  the weight key, and can do its own XREADGROUP/XADD/XACK.
+* ``services.ops.acl`` (the one ACL definition): the whole pipeline runs under one ACL user per
+  service without a single denial, while every forbidden write of issue 16 is refused (the weight key
+  by anyone but the trainer; the rollout worker's SET/DEL/XTRIM/EVAL on prompts, the collector's group),
+  and the worker can do its own XREADGROUP/XADD/XACK.
 * msgpack bodies and containers beyond explicit limits are refused as ``MalformedEntry``;
   extension types (the only door to custom deserialisation) are refused outright.
 The proxy's API key under load (auth, body size, validation, concurrency) is in test_chaos_proxy_load.py.
@@ -20,7 +21,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from harness import REPO, Cluster, render_acl
+from harness import Cluster
 from rollout_factory import prompt_group
 
 from services.ops import acl as ops_acl
@@ -77,35 +78,55 @@ def test_require_password_refuses_a_missing_one_and_accepts_a_strong_one() -> No
 ACL_USERS = ("prompt-buffer", "rollout-worker", "group-collector", "trainer", "proxy", "eval-worker", "ops")
 
 
-def acl_file(source: str, users: dict[str, str], out: Path) -> Path:
-    """The ACL file from ``configs/redis-acl.conf`` or from ``services.ops.acl``'s generator, with an
-    unrestricted password-less default user for the test harness (loopback only)."""
-    if source == "configs/redis-acl.conf":
-        return render_acl(REPO / source, users, out)
+def acl_file(users: dict[str, str], out: Path) -> Path:
+    """The ACL file from ``services.ops.acl`` (the one definition), with an unrestricted password-less
+    default user for the test harness (loopback only)."""
     text = ops_acl.render("dressage", users)
     out.write_text(text.replace("user default off resetkeys resetchannels -@all", "user default on nopass ~* &* +@all"))
     return out
 
 
-@pytest.mark.parametrize("source", ["configs/redis-acl.conf", "services.ops.acl"])
-def test_pipeline_runs_under_per_service_acl_users_and_the_rollout_worker_user_cannot_flushall_or_publish(
-        make_cluster: Callable[..., Cluster], tmp_path: Path, source: str) -> None:
+def test_pipeline_runs_under_per_service_acl_users_and_each_forbidden_write_is_refused(
+        make_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
     users = {u: secrets.token_hex(12) for u in ACL_USERS}
-    acl = acl_file(source, users, tmp_path / "users.acl")
+    acl = acl_file(users, tmp_path / "users.acl")
     with make_cluster(rows=4, prefix="dressage", users=users, redis_extra=["--aclfile", str(acl)]) as c:
         c.start_pipeline(workers=1)
         c.wait_settled(timeout=120)
         assert c.verdict().ok, c.explain()
-        # No legitimate command of any service was denied (redis-py's optional CLIENT SETINFO aside).
+        # No legitimate command of any service was denied.
         denied = [e for e in c.r.acl_log(count=1000) if e["object"] != "client|setinfo"]
         assert denied == [], denied
-        w = redis.Redis(port=c.redis.port, username="rollout-worker", password=users["rollout-worker"])
-        for forbidden in (w.flushall, lambda: w.publish("dressage:weights", "{}"),
-                          lambda: w.set("dressage:weights:latest", "{}"),
-                          lambda: w.xadd("dressage:batches", {"x": "1"}), lambda: w.config_get("*")):
+
+        def login(user: str) -> redis.Redis:
+            return redis.Redis(port=c.redis.port, username=user, password=users[user])
+        w = login("rollout-worker")
+        # issue 16: every service but the trainer could SET the weight key; the worker could SET the prompts
+        # stream to a string, read/ack in the collector's group, DEL, XTRIM to 0 and EVAL.
+        forbidden: list[tuple[str, Callable[[], object]]] = [
+            (u, lambda u=u: login(u).set("dressage:weights:latest", "{}"))  # type: ignore[misc]
+            for u in ("proxy", "prompt-buffer", "group-collector", "rollout-worker", "eval-worker", "ops")]
+        forbidden += [
+            ("rollout-worker", w.flushall), ("rollout-worker", lambda: w.publish("dressage:weights", "{}")),
+            ("rollout-worker", lambda: w.xadd("dressage:batches", {"x": "1"})),
+            ("rollout-worker", lambda: w.config_get("*")),
+            ("rollout-worker", lambda: w.set("dressage:prompts", "x")),
+            ("rollout-worker", lambda: w.delete("dressage:prompts")),
+            ("rollout-worker", lambda: w.xtrim("dressage:prompts", maxlen=0)),
+            ("rollout-worker", lambda: w.eval("return 1", 0)),
+            ("rollout-worker", lambda: w.xreadgroup("collector", "evil", {"dressage:rollouts": "0"})),
+            ("rollout-worker", lambda: w.xack("dressage:rollouts", "collector", "0-1")),
+            ("proxy", lambda: login("proxy").xadd("dressage:weights:log", {"version": "99"})),
+            ("group-collector", lambda: login("group-collector").delete("dressage:batches")),
+            ("prompt-buffer", lambda: login("prompt-buffer").xtrim("dressage:prompts", maxlen=0)),
+            ("eval-worker", lambda: login("eval-worker").xadd("dressage:batches", {"x": "1"})),
+            ("ops", lambda: login("ops").set("dressage:control", "x")),
+        ]
+        for who, attempt in forbidden:
             with pytest.raises(redis.exceptions.NoPermissionError):
-                forbidden()
-        assert c.r.xlen("dressage:prompts") > 0  # FLUSHALL really did nothing
+                attempt()
+            assert who in users
+        assert c.r.xlen("dressage:prompts") > 0 and c.r.type("dressage:prompts") == b"stream"  # nothing happened
         assert c.terminate("w1") == 0  # the real worker would take the entry below first
         fields = encode_entry(prompt_group("acl-g", 0))
         eid = w.xadd("dressage:prompts", fields)  # type: ignore[arg-type]

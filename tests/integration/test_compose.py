@@ -18,8 +18,17 @@ LONG_RUNNING_CPU = {"redis", "engine", "proxy", "prompt-buffer", "rollout-worker
                     "eval-worker"}
 
 
-def run_compose(*args: str, password: str | None = "test-password-123") -> subprocess.CompletedProcess[str]:
+SECRETS = {"REDIS_PASSWORD": "test-password-123", "PROXY_API_KEY": "agent-key-abc123456",
+           "PROXY_OPERATOR_KEY": "operator-key-abc1234", "ENGINE_API_KEY": "engine-key-abc123456",
+           **{f"REDIS_PASSWORD_{u}": f"pw-{u.lower()}-0123456789" for u in
+              ("PROMPT_BUFFER", "ROLLOUT_WORKER", "GROUP_COLLECTOR", "TRAINER", "PROXY", "EVAL_WORKER", "OPS")}}
+
+
+def run_compose(*args: str, password: str | None = "test-password-123",
+                without: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DRESSAGE_", "REDIS_"))}
+    env.update({k: v for k, v in SECRETS.items() if k not in without})
+    env.pop("REDIS_PASSWORD")
     if password is not None:
         env["REDIS_PASSWORD"] = password
     return subprocess.run([str(BINARY), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"),
@@ -67,7 +76,7 @@ def test_redis_password_is_required() -> None:
 
 
 def test_profiles_swap_engine_and_trainer(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
-    assert set(cpu["services"]) == LONG_RUNNING_CPU | {"model-init"}
+    assert set(cpu["services"]) == LONG_RUNNING_CPU | {"model-init", "acl-init"}
     assert {"engine-sglang", "trainer-gpu"} <= set(gpu["services"])
     assert not {"engine", "trainer", "model-init"} & set(gpu["services"])
     shared = {"redis", "proxy", "prompt-buffer", "rollout-worker", "group-collector", "eval-worker"}
@@ -86,7 +95,8 @@ def test_nothing_publishes_a_host_port_and_workers_scale(cpu: dict[str, Any], gp
 def test_redis_has_aof_password_and_a_healthcheck(cpu: dict[str, Any]) -> None:
     redis = cpu["services"]["redis"]
     command = " ".join(redis["command"])
-    assert "--appendonly yes" in command and "--requirepass" in command
+    assert "--appendonly yes" in command and "--aclfile /acl/users.acl" in command
+    assert redis["depends_on"]["acl-init"]["condition"] == "service_completed_successfully"
     assert redis["environment"]["REDIS_PASSWORD"] == "test-password-123"
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
     assert any(v["target"] == "/data" for v in redis["volumes"])
@@ -95,7 +105,7 @@ def test_redis_has_aof_password_and_a_healthcheck(cpu: dict[str, Any]) -> None:
 def test_every_long_running_service_has_healthcheck_and_grace(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
     for doc in (cpu, gpu):
         for name, svc in doc["services"].items():
-            if name == "model-init":  # one-shot job, waited for with service_completed_successfully
+            if name in ("model-init", "acl-init"):  # one-shot jobs, waited for with service_completed_successfully
                 assert svc["restart"] == "no"
                 continue
             check = svc.get("healthcheck") or {}
@@ -122,7 +132,7 @@ def test_gpu_profile_runs_sglang_with_weight_versions_and_a_cuda_trainer(gpu: di
     sglang = gpu["services"]["engine-sglang"]
     command = " ".join(sglang["command"]) if isinstance(sglang["command"], list) else sglang["command"]
     assert "sglang.launch_server" in command and "--weight-version" in command
-    assert "engine" in sglang["networks"]["default"]["aliases"]  # same proxy config in both profiles
+    assert "engine" in sglang["networks"]["engines"]["aliases"]  # same proxy config in both profiles
     trainer = gpu["services"]["trainer-gpu"]
     assert trainer["environment"]["DRESSAGE_TRAIN_DEVICE"] == "cuda"
     for svc in (sglang, trainer):
@@ -140,3 +150,54 @@ def test_checkpoints_are_shared_by_trainer_and_engines(cpu: dict[str, Any], gpu:
     env = cpu["services"]["trainer"]["environment"]
     assert env["DRESSAGE_TRAIN_CHECKPOINT_DIR"] == "/checkpoints"
     assert env["DRESSAGE_REDIS_REQUIRE_PASSWORD"] == "true"
+
+
+# --- least privilege (issue 16, docs/security.md) ---------------------------------------------------
+
+@pytest.mark.parametrize("missing", ["PROXY_API_KEY", "PROXY_OPERATOR_KEY", "ENGINE_API_KEY",
+                                     "REDIS_PASSWORD_ROLLOUT_WORKER", "REDIS_PASSWORD_TRAINER"])
+def test_every_key_is_required_like_the_redis_password(missing: str) -> None:
+    out = run_compose("config", "--quiet", without=(missing,))
+    assert out.returncode != 0 and missing in out.stderr
+
+
+def test_each_service_gets_only_its_own_secrets(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    holders = {  # secret -> the services whose environment may hold it
+        "REDIS_PASSWORD": {"redis", "acl-init"},
+        "PROXY_OPERATOR_KEY": {"proxy"}, "PROXY_API_KEY": {"proxy", "rollout-worker"},
+        "ENGINE_API_KEY": {"engine", "proxy"},
+        **{f"REDIS_PASSWORD_{u}": {"acl-init", u.lower().replace("_", "-")} for u in
+           ("PROMPT_BUFFER", "ROLLOUT_WORKER", "GROUP_COLLECTOR", "PROXY", "EVAL_WORKER", "OPS")},
+        "REDIS_PASSWORD_TRAINER": {"acl-init", "trainer", "trainer-gpu"},
+    }
+    for doc in (cpu, gpu):
+        for name, svc in doc["services"].items():
+            env = " ".join(str(v) for v in (svc.get("environment") or {}).values())
+            for secret, allowed in holders.items():
+                if SECRETS[secret] in env:
+                    assert name in allowed, f"{name} holds {secret}"
+    assert cpu["services"]["rollout-worker"]["environment"]["REDIS_URL"].startswith("redis://rollout-worker@")
+    assert SECRETS["ENGINE_API_KEY"] in gpu["services"]["engine-sglang"]["command"]  # SGLang's --api-key
+
+
+def test_checkpoints_are_writable_by_the_trainer_alone(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    for doc in (cpu, gpu):
+        for name, svc in doc["services"].items():
+            for v in svc.get("volumes", []):
+                if v.get("source") == "checkpoints":
+                    assert bool(v.get("read_only")) == (name not in ("trainer", "trainer-gpu")), name
+                if v.get("source") == "models" and name != "model-init":
+                    assert v.get("read_only"), f"{name} can write the models volume"
+
+
+def test_engines_sit_on_an_internal_network_and_nothing_shares_the_host_ipc(cpu: dict[str, Any],
+                                                                            gpu: dict[str, Any]) -> None:
+    for doc in (cpu, gpu):
+        assert doc["networks"]["engines"]["internal"] is True
+        on_engines = {n for n, s in doc["services"].items() if "engines" in (s.get("networks") or {})}
+        assert on_engines <= {"engine", "engine-sglang", "proxy", "trainer", "trainer-gpu"}, on_engines
+        for name in ("engine", "engine-sglang"):
+            if name in doc["services"]:
+                assert set(doc["services"][name]["networks"]) == {"engines"}, name
+        for name, svc in doc["services"].items():
+            assert svc.get("ipc") != "host", name

@@ -24,14 +24,6 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "reverse-tiny"
-    subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "reverse", "--out", str(out),
-                    "--warm-steps", "0", "--threads", "1"], cwd=REPO, check=True, capture_output=True, timeout=180)
-    return out
-
-
 def tiny_spec(tmp_path: Path, model: Path) -> Path:
     spec = {
         "name": "tiny", "base": str(REPO / "configs/test.yaml"), "baseline": "sync", "seeds": [0, 1],

@@ -25,7 +25,7 @@ KEYS = Keys(PREFIX)
 
 @pytest.fixture(scope="module")
 def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, dict[str, str]]]:
-    passwords = {s: secrets.token_hex(16) for s in acl.RULES}
+    passwords = {s: secrets.token_hex(16) for s in acl.USERS}
     folder = tmp_path_factory.mktemp("acl")
     (folder / "users.acl").write_text(acl.render(PREFIX, passwords))
     port = free_port()
@@ -110,7 +110,7 @@ def test_default_user_is_off(acl_server: tuple[int, dict[str, str]]) -> None:
 
 
 def test_weak_or_missing_passwords_are_refused(tmp_path: Path) -> None:
-    good = {s: secrets.token_hex(16) for s in acl.RULES}
+    good = {s: secrets.token_hex(16) for s in acl.USERS}
     with pytest.raises(ValueError, match="REDIS_PASSWORD_ROLLOUT_WORKER"):
         acl.render(PREFIX, {**good, "rollout-worker": "changeme"})
     with pytest.raises(ValueError, match="REDIS_PASSWORD_TRAINER"):

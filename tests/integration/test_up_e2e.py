@@ -27,14 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/test.yaml"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model") / "reverse-tiny"
-    subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "reverse", "--out", str(out),
-                    "--warm-steps", "0", "--threads", "1"], cwd=REPO, check=True, capture_output=True, timeout=120)
-    return out
-
-
 def start_up(run_dir: Path, model: Path, *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1"}
     env.pop("REDIS_URL", None)  # a private Redis, always
