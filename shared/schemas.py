@@ -22,11 +22,13 @@ MAX_ERROR_CHARS = 1000  # error text kept on the wire (failed groups, retry reco
 MAX_SAMPLES_PER_GROUP = 4096
 MAX_TOKENS_PER_SAMPLE = 1 << 20
 MAX_GROUPS_PER_BATCH = 4096
+MAX_ATTEMPT = 1000  # rollout.max_retries <= 100: a larger attempt number is forged or corrupt
 _MASK_VALUES = frozenset((0, 1))
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False)
+    # allow_inf_nan=False: a NaN reward or an infinite logprob is malformed at the edge (dead-lettered), never trained
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=False, allow_inf_nan=False)
 
 
 class Message(_Wire):
@@ -39,7 +41,7 @@ class Message(_Wire):
 class RetryRecord(_Wire):
     """One earlier attempt of a prompt group and why it did not train (written by the collector)."""
 
-    attempt: int = Field(ge=0)  # the attempt that failed or was dropped
+    attempt: int = Field(ge=0, le=MAX_ATTEMPT)  # the attempt that failed or was dropped
     reason: Literal["stale", "failed"]  # dropped by the version window, or the attempt failed
     error: str = Field(max_length=MAX_ERROR_CHARS)  # the failure's text (or the staleness note)
     at: float = 0.0  # unix seconds of the decision
@@ -54,7 +56,7 @@ class PromptGroup(_Wire):
     prompt: str | list[Message]  # raw prompt text, or chat messages
     reference: Any = None  # whatever the task's verifier needs (answer, hidden number, ...)
     n_samples: int = Field(ge=1, le=MAX_SAMPLES_PER_GROUP)  # trajectories per group
-    attempt: int = Field(default=0, ge=0)  # 0 for the first try; +1 per re-enqueue
+    attempt: int = Field(default=0, ge=0, le=MAX_ATTEMPT)  # 0 for the first try; +1 per re-enqueue
     enqueued_at: float = 0.0  # unix seconds when this attempt entered {p}:prompts
     retry_history: list[RetryRecord] = Field(default_factory=list)  # one record per earlier attempt, oldest first
     meta: dict[str, Any] = Field(default_factory=dict)  # free-form (epoch, dataset index)
@@ -160,7 +162,7 @@ class RolloutGroup(_Wire):
 
     group_id: str = Field(min_length=1, max_length=256)
     prompt_id: str = Field(min_length=1, max_length=256)
-    attempt: int = Field(ge=0)
+    attempt: int = Field(ge=0, le=MAX_ATTEMPT)
     status: Literal["completed", "failed"]
     error: str | None = None  # failure text (failed only): "<error_code>: <message> (session <id>)"
     error_code: str | None = None  # failed only: a code of shared.codes (the policy reads this, not the text)
