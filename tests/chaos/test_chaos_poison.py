@@ -35,13 +35,15 @@ from services.rollout_worker.runner import GroupRunner
 from services.rollout_worker.worker import RolloutWorker
 from services.trainer.loop import TrainerLoop
 from services.trainer.startup import open_trainer
+from shared import stats
 from shared.codec import decode_entry, encode_entry
+from shared.codes import MALFORMED
 from shared.config import CollectorConfig, RolloutConfig, StalenessSection, load_config
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.lifecycle import StopFlag
 from shared.schemas import Batch, DeadLetter, PromptGroup, RolloutGroup
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
-from shared.streams import Entry, ensure_group
+from shared.streams import Entry, ensure_group, next_id
 
 Fields = dict[bytes, bytes]
 
@@ -194,14 +196,29 @@ def r() -> fakeredis.FakeRedis:
 
 
 def outcome(r: fakeredis.FakeRedis, stream: str, fields: Fields, dispatch: Callable[[Entry], None]) -> None:
-    """Add ``fields`` to ``stream``, dispatch it once; it must not raise, and poison leaves one dead letter."""
-    eid = r.xadd(stream, fields)  # type: ignore[arg-type]
+    """Add ``fields`` to ``stream``, dispatch it once; it must not raise. Poison leaves one dead letter; an
+    entry that decodes is never dead-lettered as malformed, and is either still in hand (pending) or left
+    a trace of where it went (a downstream entry, one dead letter or a counted discard): never lost."""
     group = {K.prompts: GROUP_ROLLOUT, K.rollouts: GROUP_COLLECTOR, K.batches: GROUP_TRAINER}[stream]
-    r.xreadgroup(group, "fuzz", {stream: ">"}, count=1)  # pending for its consumer, as in the loop
-    before = r.xlen(K.dead)
+    r.xgroup_setid(stream, group, "$")  # skip what other tests' dispatches appended: the next read is ours
+    eid = r.xadd(stream, fields)  # type: ignore[arg-type]
+    got = r.xreadgroup(group, "fuzz", {stream: ">"}, count=1)  # pending for its consumer, as in the loop
+    assert got[0][1][0][0] == eid
+    last_dead = r.xrevrange(K.dead, count=1)
+    before = trace(r)
     dispatch(Entry(eid, fields))
+    letters = r.xrange(K.dead, min=next_id(last_dead[0][0].decode()) if last_dead else "-", max="+")
     if not decodes(fields, stream):
-        assert r.xlen(K.dead) == before + 1
+        assert len(letters) == 1
+        return
+    assert len(letters) <= 1 and all(f[b"reason"] != MALFORMED.encode() for _, f in letters)
+    pending = r.xpending_range(stream, group, min=eid, max=eid, count=1, consumername="fuzz")
+    assert pending or trace(r) != before, "a decodable entry was acknowledged without a trace"
+
+
+def trace(r: fakeredis.FakeRedis) -> tuple[object, ...]:
+    """Where an entry can go: the downstream streams, the dead letters and the counters."""
+    return (r.xlen(K.prompts), r.xlen(K.rollouts), r.xlen(K.batches), r.xlen(K.dead), r.hgetall(stats.key(K)))
 
 
 def decodes(fields: Fields, stream: str) -> bool:
