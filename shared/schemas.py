@@ -155,6 +155,9 @@ class Sample(_Wire):
             raise ValueError(f"token_versions: length {len(self.token_versions)} != len(token_ids) {n}")
         if check_mask and not _MASK_VALUES.issuperset(self.loss_mask):
             raise ValueError("loss_mask: every value must be 0 or 1")
+        raw = self.__pydantic_private__["_lazy"].get("logprobs")  # type: ignore[index]
+        if raw is not None and not packed.finite_f32(raw):  # the list form is checked by pydantic (allow_inf_nan)
+            raise ValueError("logprobs: NaN or infinite values are not allowed")
 
 
 class RolloutGroup(_Wire):

@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 from rollout_factory import prompt_group
 
+from shared import packed
 from shared.codec import decode_entry, encode_entry
 from shared.errors import MalformedEntry
 from shared.schemas import MAX_ATTEMPT, PromptGroup, RolloutGroup, Sample
@@ -53,3 +54,20 @@ def test_a_nan_reward_on_the_wire_is_malformed() -> None:
     body["samples"][0]["reward"] = math.nan
     with pytest.raises(MalformedEntry):
         decode_entry({**fields, "body": msgpack.packb(body)}, RolloutGroup)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_packed_logprob_on_the_wire_is_malformed(bad: float) -> None:
+    group = RolloutGroup(group_id="g", prompt_id="p", attempt=0, status="completed",
+                         samples=[Sample.model_validate(sample(logprobs=[0.0, -0.5, -1e30]))])
+    fields = encode_entry(group)
+    assert decode_entry(fields, RolloutGroup).samples[0].logprobs[2] == pytest.approx(-1e30, rel=1e-6)
+    good = pack_f32([0.0, -0.5, -1e30])
+    assert good in fields["body"]
+    forged = {**fields, "body": fields["body"].replace(good, pack_f32([0.0, bad, -1.0]))}
+    with pytest.raises(MalformedEntry, match="logprobs"):
+        decode_entry(forged, RolloutGroup)
+
+
+def pack_f32(values: list[float]) -> bytes:
+    return packed.pack(values, "f")
