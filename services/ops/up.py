@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
         r = redis.Redis.from_url(handle.url, password=pw, socket_connect_timeout=5, socket_timeout=10)
         keys = Keys(choices.prefix)
-        proxy_key = cfg.proxy.api_key.get_secret_value() if cfg.proxy.api_key else None
+        # /v1/rollout/state is operator scope (docs/security.md): the agent key alone gets 403 there
+        proxy_key = cfg.proxy.operator_key.get_secret_value() if cfg.proxy.operator_key else None
         probe = ServiceProbe([f"http://{cfg.engine.host}:{choices.engine_port}"],
                              f"http://{cfg.proxy.host}:{choices.proxy_port}", proxy_token=proxy_key)
         progress = Progress(r, keys, MetricsLog(run_dir / "metrics.jsonl"), max_steps, show=not args.quiet,
