@@ -35,7 +35,9 @@ from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
 from services.trainer.resume import ResumePlan, trusted_published, version_index
 from services.trainer.sinks import MetricSinks
+from shared import stats
 from shared.codec import decode_entry, entry_ids
+from shared.codes import INVALID_BATCH, MALFORMED, UNEXPECTED_ERROR
 from shared.config import DressageConfig
 from shared.consumer import ConsumerLoop
 from shared.errors import MalformedEntry
@@ -45,7 +47,7 @@ from shared.lifecycle import StopFlag
 from shared.modeling.compat import make_loadable
 from shared.phases import PhaseClock
 from shared.schemas import Batch, WeightVersion
-from shared.streams import Entry, GroupReader, dead_letter_fields, ensure_group, reclaim
+from shared.streams import Entry, GroupReader, ensure_group, reclaim
 from shared.telemetry import Heartbeat, report_metrics
 from shared.versionbus import publish_version, read_latest
 
@@ -88,7 +90,7 @@ class TrainerLoop:
         self.consumer = cfg.train.consumer
         self.reader = GroupReader(r, self.keys.batches, GROUP_TRAINER, self.consumer)
         self.heartbeat = Heartbeat(r, self.keys, SERVICE, self.consumer, cfg.ops.heartbeat_ttl_s)
-        self.stats = self.keys.custom("stats")
+        self.stats = stats.key(self.keys)
         self.trained_key = self.keys.custom("trainer", "trained")  # one entry per acknowledged batch set
         self.clock = PhaseClock(PHASES)  # restarted once start() is done: the loop's own wall-clock
 
@@ -114,7 +116,7 @@ class TrainerLoop:
         """Is the published ``latest`` not one of this trainer's versions? Counted and logged (the alarm)."""
         if trusted_published(latest, self.cfg.train.checkpoint_dir) is not None:
             return False
-        self.r.hincrby(self.stats, "forged_weights_latest", 1)
+        self.r.hincrby(self.stats, stats.FORGED_WEIGHTS_LATEST, 1)
         return True
 
     def _own_latest(self) -> WeightVersion | None:
@@ -188,13 +190,13 @@ class TrainerLoop:
             batch = decode_entry(entry.fields, Batch)
             self.learner.validate(batch)
         except MalformedEntry as exc:
-            self._dead_letter(entry, "malformed", exc.reason, None)
+            self._dead_letter(entry, MALFORMED, exc.reason, None)
             return None
         except InvalidBatch as exc:
-            self._dead_letter(entry, "invalid_batch", str(exc), batch)
+            self._dead_letter(entry, INVALID_BATCH, str(exc), batch)
             return None
         except Exception as exc:  # poison guard: nothing about one entry may stop the trainer
-            self._dead_letter(entry, "unexpected_error", f"{type(exc).__name__}: {exc}", batch)
+            self._dead_letter(entry, UNEXPECTED_ERROR, f"{type(exc).__name__}: {exc}", batch)
             return None
         if eid in self.recent_entries:
             log.info("batch_id=%s entry_id=%s is already in a checkpoint: acknowledging without training",
@@ -205,22 +207,20 @@ class TrainerLoop:
             log.warning("duplicate batch_id=%s entry_id=%s discarded", batch.batch_id, eid)
             pipe = self.r.pipeline(transaction=True)
             pipe.xack(self.keys.batches, GROUP_TRAINER, eid)
-            pipe.hincrby(self.stats, "batches_duplicate_discarded", 1)
+            pipe.hincrby(self.stats, stats.BATCHES_DUPLICATE_DISCARDED, 1)
             pipe.execute()
             return None
         return batch
 
     def _dead_letter(self, entry: Entry, reason: str, error: str, batch: Batch | None) -> None:
         ids = entry_ids(entry.fields)
-        fields = dead_letter_fields(reason, error, self.keys.batches, entry.id, entry.fields)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, fields, maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+        stats.add_dead_letter(pipe, self.keys, reason, error, self.keys.batches, entry.id, entry.fields,
+                              stats.POISON_DEAD_LETTERED if batch is None else None)
         pipe.xack(self.keys.batches, GROUP_TRAINER, entry.id)
-        if batch is None:
-            pipe.hincrby(self.stats, "poison_dead_lettered", 1)
-        else:  # decodable: its groups leave the pipeline here, so pacing must count them
-            pipe.hincrby(self.stats, "groups_dead_lettered", len(batch.groups))
-            pipe.hincrby(self.stats, "batches_dead_lettered", 1)
+        if batch is not None:  # decodable: its groups leave the pipeline here, so pacing must count them
+            pipe.hincrby(self.stats, stats.GROUPS_DEAD_LETTERED, len(batch.groups))
+            pipe.hincrby(self.stats, stats.BATCHES_DEAD_LETTERED, 1)
         pipe.execute()
         log.warning("dead-lettered batch entry_id=%s group_id=%s reason=%s error=%s", entry.id.decode(),
                     ids.get("group_id"), reason, error[:300])
@@ -299,8 +299,8 @@ class TrainerLoop:
             return
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(self.keys.batches, GROUP_TRAINER, *[eid for eid, _ in held])
-        pipe.hincrby(self.stats, "batches_trained", len(held))
-        pipe.hincrby(self.stats, "groups_trained", sum(len(b.groups) for _, b in held))
+        pipe.hincrby(self.stats, stats.BATCHES_TRAINED, len(held))
+        pipe.hincrby(self.stats, stats.GROUPS_TRAINED, sum(len(b.groups) for _, b in held))
         # The record of what was trained, in the same MULTI as the XACK (read by shared.history).
         pipe.xadd(self.trained_key, {"batch_ids": ",".join(b.batch_id for _, b in held),
                                      "group_ids": json.dumps([g.group_id for _, b in held for g in b.groups]),

@@ -25,6 +25,7 @@ from services.trainer.loop import TrainerLoop
 from services.trainer.parallel import Parallel
 from services.trainer.resume import plan_resume, trusted_published
 from services.trainer.sinks import MetricSinks
+from shared import stats
 from shared.config import DressageConfig
 from shared.lifecycle import StopFlag
 from shared.modeling import load_model, load_tokenizer, missing_files
@@ -47,7 +48,7 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
         newest = store.newest()
         latest = read_latest(r, cfg.keys())
         if latest is not None and trusted_published(latest, tc.checkpoint_dir) is None:
-            r.hincrby(cfg.keys().custom("stats"), "forged_weights_latest", 1)  # the alarm, counted
+            r.hincrby(stats.key(cfg.keys()), stats.FORGED_WEIGHTS_LATEST, 1)  # the alarm, counted
             latest = None
         plan = plan_resume(newest, latest, Path(cfg.model.path),
                            published_complete=latest is not None and not missing_files(latest.path))
