@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: runs must not share cores)")
     p.add_argument("--out", default="runs/experiments", help="experiments folder (default runs/experiments)")
     p.add_argument("--check", action="store_true", help="validate the spec, list the runs, run nothing")
-    p.add_argument("--report-only", action="store_true", help="rebuild summary and report from finished runs")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild summary and report from the finished runs' metrics (no run starts)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -223,10 +224,7 @@ class Experiment:
             self._say(f"FAILED {a.run.key}: exit {code}, step {a.step}; see {a.folder / 'up.log'} "
                       "(it runs again from scratch next time)", force=True)
             return
-        info = json.loads((a.folder / "run.json").read_text()) if (a.folder / "run.json").exists() else {}
-        row = summ.run_row(a.rows, a.run.variant, a.run.seed, self.spec.targets, self.spec.stop.train_steps,
-                           slots=self._slots(a.run), started_at=number(info.get("started_at")),
-                           run_dir=str(a.folder))
+        row = self.row(a.run, a.rows)
         write_json(a.folder / RESULT, {"row": row, "exit": code, "duration_s": round(duration, 2),
                                        "ended_by": a.stopped_by_rule or "max_steps", "finished_at": time.time()})
         (a.folder / CHILD).unlink(missing_ok=True)
@@ -234,6 +232,13 @@ class Experiment:
         self.durations.append(duration)
         self._say(f"finished {a.run.key}: {a.step} steps, wall to K {row.get('wall_to_k_s') or 0:.0f} s, "
                   f"final eval {row.get('final_eval_acc')}", force=True)
+
+    def row(self, run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The run's summary.csv row from its metric rows (pure given the files of the run folder)."""
+        folder = self.folder(run)
+        info = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
+        return summ.run_row(rows, run.variant, run.seed, self.spec.targets, self.spec.stop.train_steps,
+                            slots=self._slots(run), started_at=number(info.get("started_at")), run_dir=str(folder))
 
     @staticmethod
     def _slots(run: Run) -> int:
@@ -272,12 +277,14 @@ class Experiment:
 
     # --- results -----------------------------------------------------------------------------------
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self, recompute: bool = False) -> list[dict[str, Any]]:
+        """One row per finished run, in spec order; ``recompute``: derived again from metrics.jsonl."""
         out = []
         for run in self.spec.runs:
             done = self.folder(run) / RESULT
             if done.exists():
-                out.append(json.loads(done.read_text())["row"])
+                stored = json.loads(done.read_text())["row"]
+                out.append(self.row(run, load_rows(self.folder(run) / "metrics.jsonl")) if recompute else stored)
         return out
 
 
@@ -305,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag().install()
     exp = Experiment(spec, Path(args.out), args.jobs, stop, show=not args.quiet)
     code = 0 if args.report_only else exp.run_all()
-    rows = exp.rows()
+    rows = exp.rows(recompute=args.report_only)
     from services.ops.experiment_report import write_outputs
 
     command = "dressage experiment " + " ".join(argv if argv is not None else sys.argv[1:])

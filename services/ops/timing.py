@@ -54,13 +54,30 @@ class TimeSplit:
         return sum(self.trainer[p] for p in TRAINER_PHASES if p != "other")
 
 
-def _rate(rows: Sequence[Row], name: str) -> float | None:
-    """Increase of a cumulative ``name`` per second between its first and last sample."""
+def _at(pts: Sequence[tuple[float, float]], t: float) -> float:
+    """A cumulative counter at time ``t``, linearly interpolated between its samples (clamped at the ends)."""
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return pts[-1][1]
+
+
+def _rate(rows: Sequence[Row], name: str, start: float | None = None, end: float | None = None) -> float | None:
+    """Increase of a cumulative ``name`` per second over [start, end] (default: first to last sample).
+
+    Samples come every few seconds: the counter is interpolated at ``start`` and ``end``, so a short
+    trainer loop is not measured over the much longer span of the samples around it."""
     pts = [(t, v) for t, v in ((number(r.get("ts")), number(r.get(name))) for r in rows)
            if t is not None and v is not None]
     if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
         return None
-    return max(0.0, (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]))
+    lo = pts[0][0] if start is None else max(start, pts[0][0])
+    hi = pts[-1][0] if end is None else min(end, pts[-1][0])
+    if hi <= lo:
+        return None
+    return max(0.0, (_at(pts, hi) - _at(pts, lo)) / (hi - lo))
 
 
 def covering(rows: Sequence[Row], start: float | None, end: float | None) -> list[Row]:
@@ -95,8 +112,8 @@ def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
         trainer_wall_s=wall,
         trainer={p: s / wall for p, s in seconds.items()} if wall else {},
         trainer_seconds=seconds,
-        engine_busy=_rate(ops, "engine/busy_s"),
-        proxy_pause=_rate(ops, "proxy/weight_update_s"),
+        engine_busy=_rate(ops, "engine/busy_s", start, end),
+        proxy_pause=_rate(ops, "proxy/weight_update_s", start, end),
         weight_updates=int(max(u for u in updates if u is not None)) if any(u is not None for u in updates) else None,
         group_seconds_mean=sum(groups) / len(groups) if groups else None,
         worker_slot_busy=(sum(groups) / (slots * length)) if slots and groups and length > 0 else None,

@@ -95,3 +95,14 @@ def test_engine_fraction_covers_only_the_trainer_loop() -> None:
     extra = [{"service": "ops", "ts": 900.0, "engine/busy_s": 0.0},
              *rows(), {"service": "ops", "ts": 1200.0, "engine/busy_s": 190.0}]
     assert decompose(extra).engine_busy == pytest.approx(30.0 / 50.0)
+
+
+def test_engine_fraction_interpolates_the_counter_at_the_loop_ends() -> None:
+    # loop from 1010 to 1030; engine counter sampled at 1000 (0 s), 1020 (10 s) and 1040 (30 s):
+    # interpolated 5 s at 1010 and 20 s at 1030 -> 15 busy seconds over 20 s
+    rows = [{"service": "ops", "ts": 1000.0, "engine/busy_s": 0.0},
+            {"service": "ops", "ts": 1020.0, "engine/busy_s": 10.0},
+            {"service": "trainer", "ts": 1030.0, "train/step": 1, "time/wait_s": 5.0, "time/train_s": 15.0,
+             "time/checkpoint_s": 0.0, "time/publish_s": 0.0, "time/other_s": 0.0, "time/wall_s": 20.0},
+            {"service": "ops", "ts": 1040.0, "engine/busy_s": 30.0}]
+    assert decompose(rows).engine_busy == pytest.approx(15.0 / 20.0)
