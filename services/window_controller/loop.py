@@ -2,8 +2,8 @@
 
 It acts through the operator's own control path: ``HSET {p}:control keep_versions N``, which the
 group-collector re-reads every ``collector.control_poll_s`` and applies to the waiting groups at
-once. Every tick -- change or not -- is one INFO log line and one ``{p}:window_controller:decisions``
-entry (capped) carrying the inputs (logprob diff, waiting fraction, drop rate, new trainer steps),
+once. Every tick -- change or not -- is one log line (INFO; DEBUG when it measured nothing) and one
+``{p}:window_controller:decisions`` entry (capped) carrying the inputs (logprob diff, waiting fraction, drop rate, new trainer steps),
 the proposal, the reason, and the window before and after; ``window_controller/*`` metrics follow.
 
 An operator who sets ``keep_versions`` by hand while the controller runs is followed: the controller
@@ -98,7 +98,8 @@ class WindowController:
         return decision
 
     def _record(self, d: Decision, s: Signals) -> None:
-        log.info("window decision keep_versions=%d->%d proposal=%+d reason=%s logprob_diff=%s wait_fraction=%s "
+        measured = s.steps > 0 or s.drop_rate is not None  # a tick that saw nothing is logged at DEBUG only
+        log.log(logging.INFO if measured or d.changed else logging.DEBUG, "window decision keep_versions=%d->%d proposal=%+d reason=%s logprob_diff=%s wait_fraction=%s "
                  "drop_rate=%s trainer_steps=%d floor=%d", d.before, d.after, d.proposal, d.reason,
                  _opt(s.logprob_diff), _opt(s.wait_fraction), _opt(s.drop_rate), s.steps, d.state.floor)
         fields = {"keep_before": str(d.before), "keep_after": str(d.after), "proposal": str(d.proposal),
