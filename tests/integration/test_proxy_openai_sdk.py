@@ -1,0 +1,161 @@
+"""The official ``openai`` and ``anthropic`` SDKs drive a real proxy in front of a real CPU engine:
+chat, tools, real streaming, logprobs, stop strings, errors, the Responses and Messages surfaces,
+streams that survive continuous weight updates, and the recorded SDK request bodies replayed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+import redis
+from proxy_support import EngineProc, ProxyThread, start_engine
+
+from shared.config import ProxyConfig
+from shared.keys import Keys
+from shared.modeling import load_tokenizer
+from shared.redisproc import RedisProcess
+from shared.schemas import WeightVersion
+from shared.versionbus import publish_version
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "proxy"
+MSG: list[Any] = [{"role": "user", "content": "reverse 123"}]
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProc]:
+    eng = start_engine(tmp_path_factory.mktemp("sdk-engine"))
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def proxy(engine: EngineProc, redis_server: RedisProcess, keys: Keys) -> Iterator[ProxyThread]:
+    engine.reset("1")
+    cfg = ProxyConfig(engines=[engine.url], pause_timeout_s=10, max_partial_rollout_preempts=50)
+    with ProxyThread(cfg, engine.model_dir, redis_server.port, keys) as p:
+        yield p
+
+
+def client(p: ProxyThread, session: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{p.url}/s/{session}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_openai_sdk_chat_tools_logprobs_stop_and_errors(proxy: ProxyThread, engine: EngineProc) -> None:
+    c = client(proxy, "sdk-1")
+    plain = c.chat.completions.create(model="anything", messages=MSG, max_tokens=12, temperature=1.0)
+    assert isinstance(plain.choices[0].message.content, str) and plain.model == proxy.runtime.model_name
+    with_tools = c.chat.completions.create(model="m", messages=MSG, tools=TOOLS, max_tokens=4)
+    assert with_tools.usage is not None and plain.usage is not None
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # the template rendered the tool list
+    lp = c.chat.completions.create(model="m", messages=MSG, max_tokens=6, logprobs=True, top_logprobs=2,
+                                   extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert lp.choices[0].logprobs is not None and lp.choices[0].logprobs.content is not None
+    entries = lp.choices[0].logprobs.content
+    assert len(entries) == 6 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert max(t.logprob for t in entries[0].top_logprobs) >= entries[0].top_logprobs[-1].logprob
+    assert (lp.model_extra or {})["prompt_token_ids"] and len(lp.choices[0].model_extra["token_ids"]) == 6
+    cut = client(proxy, "sdk-stop").chat.completions.create(model="m", messages=MSG, max_tokens=60, stop=["1", "2"],
+                                                            extra_body={"ignore_eos": True})
+    text = cut.choices[0].message.content or ""
+    assert "1" not in text and "2" not in text and cut.choices[0].finish_reason in ("stop", "length")
+    tok = load_tokenizer(engine.model_dir)
+    sample = httpx.get(f"{proxy.url}/v1/sessions/sdk-stop").json()["samples"][-1]
+    response = [t for t, m in zip(sample["token_ids"], sample["loss_mask"], strict=True) if m]
+    assert tok.decode(response, skip_special_tokens=True) == text  # specials have no text in the answer
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="m", messages=MSG, response_format={"type": "json_object"})
+    assert err.value.code == "unsupported_parameter" and err.value.param == "response_format"
+    assert "response_format" in err.value.message
+
+
+def test_openai_sdk_stream_arrives_as_tokens_are_produced(proxy: ProxyThread) -> None:
+    c = client(proxy, "sdk-stream")
+    start = time.monotonic()
+    arrivals: list[float] = []
+    text = ""
+    stream = c.chat.completions.create(model="m", messages=MSG, max_tokens=300, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    last: Any = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic() - start)
+            text += chunk.choices[0].delta.content
+        last = chunk
+    total = time.monotonic() - start
+    assert len(arrivals) >= 100  # one chunk per token or so, not one blob at the end
+    assert arrivals[0] < 0.5 * total, (arrivals[0], total)  # the first text came while the rest was generated
+    assert last.usage.completion_tokens == 300
+
+
+def test_streams_and_whole_answers_survive_continuous_weight_updates(proxy: ProxyThread, engine: EngineProc,
+                                                                     redis_server: RedisProcess, keys: Keys) -> None:
+    r = redis.Redis(port=redis_server.port)
+    stop = threading.Event()
+
+    def publish() -> None:
+        n = 2
+        while not stop.is_set():
+            path = engine.second_dir if n % 2 == 0 else engine.model_dir
+            publish_version(r, keys, WeightVersion(version=str(n), path=str(path), step=n, published_at=time.time()))
+            n += 1
+            stop.wait(0.4)
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    try:
+        c = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0, timeout=120)
+        finals = []
+        for i in range(3):
+            chunks = list(c.chat.completions.create(
+                model="m", messages=MSG, max_tokens=400, stream=True, extra_body={"ignore_eos": True,
+                                                                                  "session_id": f"upd-{i}"}))
+            finals.append(chunks[-1])
+        whole = c.chat.completions.create(model="m", messages=MSG, max_tokens=400,
+                                          extra_body={"ignore_eos": True, "session_id": "upd-whole"})
+    finally:
+        stop.set()
+        publisher.join(10)
+    assert all(f.choices[0].finish_reason == "length" for f in finals) and whole.choices[0].finish_reason == "length"
+    preempts = [f.model_extra["dressage"]["preempts"] for f in finals] + [whole.model_extra["dressage"]["preempts"]]
+    assert sum(preempts) >= 1, preempts  # updates did land mid-generation, and nobody saw an abort
+
+
+def test_responses_and_messages_surfaces_through_their_sdks(proxy: ProxyThread) -> None:
+    c = client(proxy, "sdk-resp")
+    resp = c.responses.create(model="m", input="reverse 123", max_output_tokens=8)
+    assert resp.status in ("completed", "incomplete") and resp.model == proxy.runtime.model_name
+    events = [e.type for e in c.responses.create(model="m", input="reverse 123", max_output_tokens=8, stream=True)]
+    assert events[0] == "response.created" and events[-1] == "response.completed"
+    a = anthropic.Anthropic(base_url=f"{proxy.url}/s/sdk-msg", api_key="none", max_retries=0)
+    msg = a.messages.create(model="m", max_tokens=8, messages=MSG)
+    assert msg.type == "message" and msg.stop_reason in ("end_turn", "max_tokens")
+    with a.messages.stream(model="m", max_tokens=8, messages=MSG) as s:
+        streamed = s.get_final_message()
+    assert streamed.usage.output_tokens >= 1
+    with pytest.raises(anthropic.BadRequestError):
+        a.messages.create(model="m", max_tokens=8, messages=MSG, thinking={"type": "enabled", "budget_tokens": 1024})
+    turns = httpx.get(f"{proxy.url}/v1/sessions/sdk-msg").json()["turns"]
+    assert turns == 2
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.json")))
+def test_recorded_sdk_request_bodies_replay_against_the_proxy(proxy: ProxyThread, name: str) -> None:
+    rec = json.loads((FIXTURES / f"{name}.json").read_text())
+    r = httpx.post(f"{proxy.url}/s/fx-{name.replace('_', '-')}{rec['path']}", json=rec["body"], timeout=120)
+    if "response_format" in name:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        return
+    assert r.status_code == 200, r.text
+    if rec["body"].get("stream"):
+        assert r.headers["content-type"].startswith("text/event-stream") and "data: " in r.text
+    else:
+        assert r.json()["dressage"]["session_id"] == f"fx-{name.replace('_', '-')}"
