@@ -38,7 +38,7 @@ from services.rollout_worker.proxy_client import (
 )
 from shared.codes import OVER_CAPACITY
 from shared.edge import session_token
-from shared.sample_versions import version_spans
+from shared.staleness import version_spans
 
 ReplyFn = Callable[[str, ChatMessages], str]  # (session_id, messages) -> assistant text
 FailFn = Callable[[str, int], str | None]  # (session_id, call index in the session) -> error code or None

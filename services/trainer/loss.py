@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from shared.staleness import mask_nonlast_version_tokens, segment_index
+from shared.schemas import Sample
+from shared.staleness import mask_nonlast_version_tokens
 
 STD_EPS = 1e-6  # added to the group std before dividing (a group of equal rewards stays at 0)
 
@@ -49,17 +49,17 @@ def group_advantages(rewards: Sequence[float], std_normalize: bool) -> list[floa
     return [c / (std + STD_EPS) for c in centred]
 
 
-def _last_segment_rewards(samples: Sequence[Any]) -> dict[str, float]:
+def _last_segment_rewards(samples: Sequence[Sample]) -> dict[str, float]:
     """traj_id -> reward of its last segment (highest ``segment_index``; a later sample wins a tie)."""
     last: dict[str, tuple[tuple[int, int], float]] = {}
     for order, s in enumerate(samples):
-        pos = (segment_index(s), order)
+        pos = (s.segment_index, order)
         if s.traj_id not in last or last[s.traj_id][0] <= pos:
             last[s.traj_id] = (pos, float(s.reward))
     return {traj: reward for traj, (_, reward) in last.items()}
 
 
-def sample_advantages(samples: Sequence[Any], std_normalize: bool) -> list[float]:
+def sample_advantages(samples: Sequence[Sample], std_normalize: bool) -> list[float]:
     """One advantage per sample of a GRPO group (same order as ``samples``).
 
     A trajectory's reward is the reward of its last segment; every segment of the trajectory
@@ -70,7 +70,7 @@ def sample_advantages(samples: Sequence[Any], std_normalize: bool) -> list[float
     return [adv[s.traj_id] for s in samples]
 
 
-def trajectory_rewards(samples: Sequence[Any]) -> list[float]:
+def trajectory_rewards(samples: Sequence[Sample]) -> list[float]:
     """The reward of each trajectory (its last segment's), in order of first appearance."""
     return list(_last_segment_rewards(samples).values())
 
@@ -78,7 +78,7 @@ def trajectory_rewards(samples: Sequence[Any]) -> list[float]:
 # --- masks ----------------------------------------------------------------------------------
 
 
-def train_masks(samples: Sequence[Any], mask_nonlast: bool) -> list[list[int]]:
+def train_masks(samples: Sequence[Sample], mask_nonlast: bool) -> list[list[int]]:
     """Per-sample loss masks: ``loss_mask`` with position 0 off, optionally non-last versions off.
 
     With ``mask_nonlast`` the segments of one trajectory are joined in ``segment_index`` order and
@@ -92,7 +92,7 @@ def train_masks(samples: Sequence[Any], mask_nonlast: bool) -> list[list[int]]:
     for i, s in enumerate(samples):
         by_traj.setdefault(s.traj_id, []).append(i)
     for idxs in by_traj.values():
-        idxs.sort(key=lambda i: (segment_index(samples[i]), i))
+        idxs.sort(key=lambda i: (samples[i].segment_index, i))
         joined_mask = [m for i in idxs for m in masks[i]]
         joined_versions = [v for i in idxs for v in samples[i].token_versions]
         kept = mask_nonlast_version_tokens(joined_mask, joined_versions)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
 from shared.errors import ConfigError
+from shared.schemas import RolloutGroup, Sample
 from shared.staleness import (
     StalenessConfig,
     StalenessConfigError,
@@ -17,13 +18,21 @@ from shared.staleness import (
 )
 
 
-def group(*trajs: Any, attempt: int = 0) -> dict[str, Any]:
-    """A rollout-group mapping; each traj is a version label or a (traj_id, version) pair."""
-    samples = []
-    for i, t in enumerate(trajs):
-        traj_id, version = t if isinstance(t, tuple) else (f"t{i}", t)
-        samples.append({"traj_id": traj_id, "segment_index": 0, "end_version": version})
-    return {"group_id": "g", "attempt": attempt, "samples": samples}
+def smp(traj_id: str, end_version: str | None, token_versions: list[str] | None = None) -> Sample:
+    tv = token_versions or []
+    return Sample(traj_id=traj_id, token_ids=[0] * len(tv), loss_mask=[0] * len(tv), logprobs=[0.0] * len(tv),
+                  token_versions=tv, end_version=end_version)
+
+
+def group(*trajs: Any, attempt: int = 0, status: Literal["completed", "failed"] = "completed",
+          samples: list[Sample] | None = None) -> RolloutGroup:
+    """A rollout group; each traj is a version label or a (traj_id, version) pair (or pass ``samples``)."""
+    if samples is None:
+        samples = []
+        for i, t in enumerate(trajs):
+            traj_id, version = t if isinstance(t, tuple) else (f"t{i}", t)
+            samples.append(smp(traj_id, version))
+    return RolloutGroup(group_id="g", prompt_id="p", attempt=attempt, status=status, samples=samples)
 
 
 def tracker(keep: int | None, published: list[str] | None = None) -> StalenessTracker:
@@ -224,7 +233,7 @@ def test_window_advance_rechecks_pending_groups() -> None:
 
 def test_failed_groups_are_observed_too() -> None:
     f = StalenessGroupFilter(tracker(1))
-    failed = {"status": "failed", "samples": [{"traj_id": "t", "end_version": "v5"}]}
+    failed = group(status="failed", samples=[smp("t", "v5")])
     f.observe_completed([group("v4"), failed])
     assert not f.keep_group("old", group("v4"))
 
@@ -270,7 +279,7 @@ def test_disabled_filter_keeps_everything() -> None:
 def test_metrics_are_trajectory_weighted() -> None:
     f = StalenessGroupFilter(tracker(3, ["0", "1", "2"]))
     g1 = group("2", "1", "1")
-    g2 = {"samples": [{"traj_id": "x", "end_version": "0", "token_versions": ["-1", "0", "1"]}]}
+    g2 = group(samples=[smp("x", "0", ["-1", "0", "1"])])
     m = f.metrics_for_groups([g1, g2])
     assert m["staleness/current_version_index"] == 2.0 and m["staleness/cutoff_version_index"] == 0.0
     assert (m["staleness/version_gap_min"], m["staleness/version_gap_max"]) == (0.0, 2.0)
@@ -281,7 +290,7 @@ def test_metrics_are_trajectory_weighted() -> None:
 
 def test_metrics_when_off_carry_only_version_spans() -> None:
     f = StalenessGroupFilter(tracker(0))
-    g = {"samples": [{"traj_id": "x", "end_version": "1", "token_versions": ["0", "1"]}]}
+    g = group(samples=[smp("x", "1", ["0", "1"])])
     assert f.metrics_for_groups([g]) == {
         "staleness/version_span_min": 2.0,
         "staleness/version_span_max": 2.0,
@@ -294,9 +303,7 @@ def test_metrics_without_groups_or_versions() -> None:
     assert StalenessGroupFilter(tracker(2)).metrics_for_groups([]) == {"staleness/dropped_groups": 0.0}
 
 
-def test_pydantic_samples_and_groups_work_like_mappings() -> None:
-    from shared.schemas import RolloutGroup, Sample
-
+def test_groups_of_real_samples_with_segments() -> None:
     def sample(traj: str, seg: int, versions: list[str]) -> Sample:
         mask = [0] + [1] * (len(versions) - 1)
         from shared.staleness import sample_version_fields

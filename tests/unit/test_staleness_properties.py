@@ -7,6 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.schemas import RolloutGroup, Sample
 from shared.staleness import (
     StalenessConfig,
     StalenessGroupFilter,
@@ -18,35 +19,34 @@ from shared.staleness import (
 )
 
 LABELS = st.sampled_from(["0", "1", "2", "3", "4", "5", " 2 ", "-1", "unknown", "", None])
-SAMPLE = st.fixed_dictionaries(
-    {
-        "traj_id": st.sampled_from(["a", "b", "c", None]),
-        "segment_index": st.integers(0, 3),
-        "end_version": LABELS,
-    }
+SAMPLE = st.builds(
+    lambda traj, seg, end: Sample(traj_id=traj, segment_index=seg, token_ids=[], loss_mask=[], logprobs=[],
+                                  token_versions=[], end_version=end),
+    st.sampled_from(["a", "b", "c"]), st.integers(0, 3), LABELS,
 )
-GROUP = st.builds(lambda s: {"samples": s}, st.lists(SAMPLE, max_size=5))
+GROUP = st.builds(lambda s: RolloutGroup(group_id="g", prompt_id="p", attempt=0, status="completed", samples=s),
+                  st.lists(SAMPLE, max_size=5))
 # An event is either a batch of completed groups or a longer prefix of the publication log.
 EVENT = st.one_of(st.lists(GROUP, min_size=1, max_size=3), st.integers(0, 6))
 PUBLISH_LOG = ["0", "1", "2", "3", "4", "5"]
 FAST = settings(max_examples=150, deadline=None)
 
 
-def _model_end_versions(group: dict[str, Any]) -> set[str]:
+def _model_end_versions(group: RolloutGroup) -> set[str]:
     """Independent model: per traj_id, the stripped end version of its highest-segment sample (the later
     sample on a tie) among those whose label is a real version."""
     best: dict[str, tuple[int, int, str]] = {}
-    for order, smp in enumerate(group["samples"]):
-        label = None if smp["end_version"] is None else str(smp["end_version"]).strip()
-        if smp["traj_id"] is None or label is None or label.lower() in ("", "-1", "unknown", "none"):
+    for order, smp in enumerate(group.samples):
+        label = None if smp.end_version is None else smp.end_version.strip()
+        if label is None or label.lower() in ("", "-1", "unknown", "none"):
             continue
-        key = (smp["segment_index"], order, label)
-        if smp["traj_id"] not in best or best[smp["traj_id"]] <= key:
-            best[smp["traj_id"]] = key
+        key = (smp.segment_index, order, label)
+        if smp.traj_id not in best or best[smp.traj_id] <= key:
+            best[smp.traj_id] = key
     return {label for _, _, label in best.values()}
 
 
-def _outside_window(t: StalenessTracker, keep: int, group: dict[str, Any]) -> bool:
+def _outside_window(t: StalenessTracker, keep: int, group: RolloutGroup) -> bool:
     """Independent model of the window: the newest ``keep`` known versions (all of them when keep is 0)."""
     window = set(t.versions[-keep:]) if keep else set(t.versions)
     return keep > 0 and bool(_model_end_versions(group) - window)
@@ -58,7 +58,7 @@ def test_every_group_is_kept_or_dropped_and_no_kept_group_is_outside_the_window(
     keep: int, events: list[Any]
 ) -> None:
     f = StalenessGroupFilter(StalenessTracker(StalenessConfig(keep)))
-    pending: list[tuple[str, Any]] = []
+    pending: list[tuple[str, RolloutGroup]] = []
     seen = dropped_total = published = 0
     for event in events:
         if isinstance(event, int):
@@ -88,7 +88,7 @@ def test_every_group_is_kept_or_dropped_and_no_kept_group_is_outside_the_window(
 @FAST
 @given(log=st.permutations(PUBLISH_LOG), groups=st.lists(GROUP, max_size=6))
 def test_published_versions_are_ordered_by_the_log_whatever_the_observation_order(
-    log: list[str], groups: list[dict[str, Any]]
+    log: list[str], groups: list[RolloutGroup]
 ) -> None:
     t = StalenessTracker(StalenessConfig(2))
     for g in groups:
