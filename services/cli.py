@@ -23,8 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("services.ops.report", "plots and summary of a run"),
     "replay": ("services.ops.replay", "the collector's window decisions of a run, recomputed for another window"),
     "experiment": ("services.ops.experiment", "variants x seeds of a spec as bounded runs, with a report"),
-    "init-model": ("shared.modeling.cli", "build a tiny HF model (+ warm start) for a task"),
-    "make-data": ("shared.tasks.make_data", "generate the built-in task datasets"),
+    "init-model": ("services.ops.init_model", "build a tiny HF model (+ warm start) for a task"),
+    "make-data": ("services.ops.make_data", "generate the built-in task datasets"),
 }
 
 

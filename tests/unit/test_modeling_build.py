@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.ops.init_model import main
 from shared.modeling import (
     ModelSpec,
     WarmStartOptions,
@@ -21,7 +22,6 @@ from shared.modeling import (
     read_build_info,
 )
 from shared.modeling.build import ModelDirExists
-from shared.modeling.cli import main
 from shared.modeling.warmstart import demonstration_examples, warm_start_model
 from shared.tasks import get_task
 

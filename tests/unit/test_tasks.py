@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from services.ops.make_data import main as make_data_main
+from services.ops.make_data import split_rows
 from shared.errors import DressageError, UnknownTask
 from shared.tasks import (
     TASK_NAMES,
@@ -19,8 +21,6 @@ from shared.tasks import (
     write_dataset,
 )
 from shared.tasks.guess import parse_guess
-from shared.tasks.make_data import main as make_data_main
-from shared.tasks.make_data import split_rows
 
 VOCAB = set(string.printable[:95]) | {"\n"}  # printable ASCII 32..126 and newline
 GUESS_REF = {"low": 20, "high": 34, "secret": 30}

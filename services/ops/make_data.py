@@ -1,4 +1,4 @@
-"""Generate the shipped datasets: ``python -m shared.tasks.make_data --out data``.
+"""Generate the shipped datasets: ``dressage make-data --out data`` (``python -m services.ops.make_data``).
 
 For every task, one ``generate(train + test, seed)`` call yields distinct rows, split into
 ``<out>/<task>/train.jsonl`` and ``<out>/<task>/test.jsonl`` — so train and test never share a
@@ -30,7 +30,7 @@ def split_rows(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="dressage make-data", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", default="data", help="output folder (default: data)")
     parser.add_argument("--train", type=int, default=2000, help="train rows per task")
     parser.add_argument("--test", type=int, default=200, help="test rows per task")

@@ -1,6 +1,6 @@
 """`dressage init-model`: build a tiny model directory for a task (random init + warm start).
 
-Usage: ``python -m shared.modeling.cli --task reverse --out models/reverse-tiny
+Usage: ``python -m services.ops.init_model --task reverse --out models/reverse-tiny
 [--warm-steps N] [--target-accuracy A] [--seed S] [--hidden H] [--layers L] ...``
 
 Prints one summary line (params, warm-start figures, seconds) and exits 0; exits 2 with a
