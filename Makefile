@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv demo test test-unit test-integration test-chaos lint bench clean
+.PHONY: venv demo tool-agent test test-unit test-integration test-chaos soak lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,11 @@ venv: $(STAMP)
 
 demo: venv
 	$(BIN)/dressage up --config configs/cpu-demo.yaml --demo
+
+# A tool-using agent trained end to end (lookup task, examples/agents/tool_agent.py on the openai SDK):
+# the printed report shows reward and the share of well-formed tool calls (docs/proxy.md).
+tool-agent: venv
+	$(BIN)/dressage up --config configs/tool-agent.yaml --demo
 
 lint: venv
 	$(BIN)/ruff check shared services tests bench
@@ -35,6 +40,13 @@ test-integration: venv
 
 test-chaos: venv
 	$(BIN)/python -m pytest -q tests/chaos
+
+# The 10-minute chaos soak (every service faulted, Redis crashed once); `make test` runs a 30-s preset.
+# CHAOS_SEED picks the fault schedule; the figures land in runs/soak-figures.jsonl (docs/reliability.md).
+soak: venv
+	mkdir -p runs
+	CHAOS_SOAK_S=$${CHAOS_SOAK_S:-600} CHAOS_FIGURES=runs/soak-figures.jsonl \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/chaos/test_chaos_soak.py
 
 bench: venv
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

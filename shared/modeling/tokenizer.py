@@ -35,8 +35,9 @@ CHARACTERS: tuple[str, ...] = ("\n", *(chr(c) for c in range(32, 127)))
 # open assistant turn when a generation prompt is asked for. Tools follow Qwen's Hermes format,
 # compacted for a 256-token character model: a system turn listing the tool names in
 # <tools>...</tools> (merged into a leading system message), assistant tool calls as
-# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, and tool results as a user turn
-# <tool_response>\n...\n</tool_response>. Without tools and tool turns the rendering is plain ChatML.
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, and tool results as a ChatML ``tool``
+# turn (Qwen wraps them in <tool_response> inside a user turn; the short form keeps the result
+# close to the answer that copies it). Without tools and tool turns the rendering is plain ChatML.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(skip=0) -%}"
     "{%- if tools -%}"
@@ -53,7 +54,7 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- for message in messages[ns.skip:] -%}"
     "{%- if message['role'] == 'tool' -%}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{{- '<|im_start|>tool\\n' + message['content'] + '<|im_end|>\\n' -}}"
     "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
     "{{- '<|im_start|>assistant\\n' + (message['content'] or '') -}}"
     "{%- for call in message['tool_calls'] -%}"
