@@ -1,7 +1,7 @@
-"""The common start of every Redis-loop service: arguments, logging, config, a Redis login check.
+"""The common start of every service: arguments, logging, config, a Redis login check.
 
 ``run_service`` parses ``--config``/``--burst`` (plus a service's own flags), sets up logging, loads and
-validates the config, checks that Redis accepts our credentials, then asks the service's ``build``
+validates the config, checks that Redis accepts our credentials (services that use it), then asks the service's ``build``
 for its runner and runs it. A start-up error (bad config value, wrong password, missing dataset or
 model — whatever ``expected`` names) is logged in one line and exits 2; nothing half-starts.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from shared.config import DressageConfig, load_config
 from shared.errors import ConfigError, RedisAuthFailed
@@ -22,16 +23,21 @@ log = logging.getLogger(__name__)
 Build = Callable[[DressageConfig, argparse.Namespace], Callable[[], int]]
 
 
-def service_parser(service: str, doc: str | None, burst_help: str) -> argparse.ArgumentParser:
+def service_parser(service: str, doc: str | None, burst_help: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"dressage {service}", description=doc)
     parser.add_argument("--config", default=None, help="deployment YAML (default: built-in defaults + env overrides)")
-    parser.add_argument("--burst", action="store_true", help=burst_help)
+    if burst_help is not None:  # an HTTP service has no burst mode
+        parser.add_argument("--burst", action="store_true", help=burst_help)
     return parser
 
 
-def run_service(service: str, argv: Sequence[str] | None, build: Build, *, doc: str | None, burst_help: str,
+def run_service(service: str, argv: Sequence[str] | None, build: Build, *, doc: str | None, burst_help: str | None,
                 expected: tuple[type[BaseException], ...] = (),
-                extra_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+                extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                overrides: Callable[[argparse.Namespace], dict[str, dict[str, Any]]] | None = None,
+                uses_redis: bool = True) -> int:
+    """``overrides`` turns flags into config overrides (validated like the YAML); ``uses_redis=False``
+    skips the Redis login check (the engine never talks to Redis)."""
     parser = service_parser(service, doc, burst_help)
     if extra_args is not None:
         extra_args(parser)
@@ -39,8 +45,9 @@ def run_service(service: str, argv: Sequence[str] | None, build: Build, *, doc: 
     setup_logging(service)
     start_errors: tuple[type[BaseException], ...] = (ConfigError, RedisAuthFailed, *expected)
     try:
-        cfg = load_config(args.config)
-        check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
+        cfg = load_config(args.config, overrides=overrides(args) if overrides is not None else None)
+        if uses_redis:
+            check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
         runner = build(cfg, args)
     except start_errors as exc:
         log.error("cannot start: %s", exc)

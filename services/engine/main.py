@@ -6,51 +6,34 @@ Only wiring here: the batching logic is in `scheduler.py`, the routes in `app.py
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import uvicorn
 
 from services.engine.app import EngineService, build_app
 from services.engine.guard import EngineGuard
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
-from shared.config import DressageConfig, load_config
-from shared.logs import setup_logging
+from shared.config import DressageConfig
+from shared.entry import run_service
 from shared.modeling import load_model, load_tokenizer, stop_token_ids
+from shared.serving import serve
 
 log = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful shutdown (exit status -15); a service exits 0."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dressage engine", description="CPU engine with SGLang's HTTP API")
-    p.add_argument("--config", help="YAML config (section `engine`); env DRESSAGE_ENGINE_* overrides")
+def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="override engine.host")
     p.add_argument("--port", type=int, help="override engine.port")
     p.add_argument("--model-path", help="override engine.model_path (default: model.path)")
     p.add_argument("--weight-version", help="override engine.weight_version")
-    return p.parse_args(argv)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    flags = {"host": args.host, "port": args.port, "model_path": args.model_path, "weight_version": args.weight_version}
+    return {"engine": {k: v for k, v in flags.items() if v is not None}}
 
 
 def build_service(cfg: DressageConfig) -> EngineService:
@@ -79,19 +62,21 @@ def build_service(cfg: DressageConfig) -> EngineService:
                          weight_roots=(cfg.train.checkpoint_dir, model_path))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    overrides = {k: v for k, v in {"host": args.host, "port": args.port, "model_path": args.model_path,
-                                   "weight_version": args.weight_version}.items() if v is not None}
-    cfg = load_config(args.config, overrides={"engine": overrides})
-    setup_logging("engine")
+def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     service = build_service(cfg)
     key = cfg.engine.api_key.get_secret_value() if cfg.engine.api_key else None
     app = EngineGuard(build_app(service), key, cfg.engine.max_body_bytes)  # auth + limits before any route
-    server = _Server(uvicorn.Config(app, host=cfg.engine.host, port=cfg.engine.port,
-                                           log_level="warning", access_log=False))
-    try:
-        server.run()  # returns on SIGTERM/SIGINT after in-flight requests were answered
-    finally:
-        service.scheduler.stop()
-    return 0
+
+    def run() -> int:
+        try:
+            serve(app, cfg.engine.host, cfg.engine.port)  # returns on SIGTERM/SIGINT after in-flight requests
+        finally:
+            service.scheduler.stop()
+        return 0
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service("engine", argv, build, doc="CPU engine with SGLang's HTTP API", burst_help=None,
+                       extra_args=engine_args, overrides=engine_overrides, uses_redis=False)
