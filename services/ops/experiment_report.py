@@ -113,13 +113,15 @@ def _iv(iv: Interval | None, digits: int = 2, unit: str = "") -> str:
 
 
 def variant_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    head = ["variant", "runs", "steps", "wall to K (s)", "final eval acc", "best eval acc", "reward AUC",
+    head = ["variant", "runs", "steps", "wall to K (s)", "initial eval acc", "final eval acc", "best eval acc",
+            "reward AUC",
             "logprob diff", "dropped", "re-enqueued"]
     out = [head]
     for v in spec.variants:
         n = len([r for r in rows if r.get("variant") == v])
         out.append([v + (" (baseline)" if v == spec.baseline else ""), str(n),
                     _iv(_mean(summ.values(rows, v, "steps")), 0), _iv(_mean(summ.values(rows, v, "wall_to_k_s")), 1),
+                    _iv(_mean(summ.values(rows, v, "initial_eval_acc"))),
                     _iv(_mean(summ.values(rows, v, "final_eval_acc"))), _iv(_mean(summ.values(rows, v, "best_eval_acc"))),
                     _iv(_mean(summ.values(rows, v, "reward_auc")), 1),
                     _iv(_mean(summ.values(rows, v, "logprob_abs_diff_mean")), 4),

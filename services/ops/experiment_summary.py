@@ -6,8 +6,10 @@ prompt-buffer releases nothing). Process start-up (model loads, Redis, ports) is
 every variant and is left out, so it cannot dilute a ratio; it is reported as ``startup_s``.
 
 * ``wall_to_k_s``: trainer wall-clock at step K (K = the spec's step target, else the last step);
-* ``time_to_acc_<X>``: wall-clock at which the first version whose greedy eval accuracy is >= X
-  was published (the eval itself runs later; the time the model existed is what counts);
+* ``time_to_acc_<X>``: wall-clock at which the first *trained* version (>= 1) whose greedy eval
+  accuracy is >= X was published (the eval itself runs later; the time the model existed is what
+  counts). Version 0, the starting model, is left out: a target it already meets says nothing about
+  training, and ``initial_eval_acc`` shows it;
 * ``reward_auc``: the area under the training-reward curve over trainer steps (unit width per step),
   so a run that learns sooner has a larger area at equal steps;
 * the time decomposition columns come from ``services.ops.timing``.
@@ -34,7 +36,7 @@ def columns(targets: Sequence[float]) -> list[str]:
     """summary.csv's header, in order."""
     return (["variant", "seed", "steps", "wall_to_k_s", "wall_clock_s", "startup_s"]
             + [target_column(x) for x in targets]
-            + ["final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
+            + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
             + list(COUNTERS) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
 
 
@@ -65,10 +67,10 @@ def eval_curve(rows: Sequence[Row]) -> list[tuple[int, float]]:
 
 
 def time_to_accuracy(rows: Sequence[Row], target: float) -> float | None:
-    """Wall-clock at which the first version with eval accuracy >= target was published; None if never."""
+    """Wall-clock at which the first trained version with eval accuracy >= target was published; None if never."""
     published = publish_clock(rows)
     for version, acc in eval_curve(rows):
-        if acc >= target and version in published:
+        if version >= 1 and acc >= target and version in published:
             return published[version]
     return None
 
@@ -103,6 +105,7 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
     for x in targets:
         row[target_column(x)] = time_to_accuracy(rows, x)
     row.update({
+        "initial_eval_acc": evals[0][1] if evals and evals[0][0] == 0 else None,
         "final_eval_acc": evals[-1][1] if evals else None,
         "best_eval_acc": max(a for _, a in evals) if evals else None,
         "reward_auc": sum(rewards) if rewards else None,

@@ -1,0 +1,71 @@
+"""A run's summary row and the ratio table, from hand-made metric rows (no runs, no Redis)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.ops import experiment_summary as summ
+from services.ops.experiment_report import add_time_to_baseline, headline, ratios
+from services.ops.experiment_spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def trainer(step: int, wall: float, reward: float, ts: float) -> dict[str, Any]:
+    return {"service": "trainer", "ts": ts, "train/step": step, "train/version": step, "train/reward_mean": reward,
+            "train/published_version": str(step), "train/train_rollout_logprob_abs_diff": 0.01 * step,
+            "time/wait_s": wall / 2, "time/train_s": wall / 4, "time/checkpoint_s": wall / 8,
+            "time/publish_s": wall / 16, "time/other_s": wall / 16, "time/wall_s": wall}
+
+
+def run_rows(step_s: float, accs: dict[int, float]) -> list[dict[str, Any]]:
+    t0 = 1000.0
+    rows: list[dict[str, Any]] = [trainer(s, s * step_s, 0.1 * s, t0 + s * step_s) for s in range(1, 5)]
+    rows += [{"service": "eval-worker", "ts": t0 + 50, "eval/version": str(v), "eval/accuracy": a}
+             for v, a in accs.items()]
+    rows.append({"service": "ops", "ts": t0 + 60, "stats/groups_produced": 20, "stats/groups_trained": 16,
+                 "stats/groups_dropped_stale": 1})
+    return rows
+
+
+def test_run_row_from_metric_rows() -> None:
+    rows = run_rows(2.0, {0: 0.5, 2: 0.4, 4: 0.7})
+    row = summ.run_row(rows, "sync", 3, [0.45, 0.9], k_steps=4, slots=4, started_at=990.0, run_dir="r")
+    assert row["steps"] == 4 and row["wall_to_k_s"] == 8.0 and row["wall_clock_s"] == 8.0
+    assert row["startup_s"] == pytest.approx(1002.0 - 2.0 - 990.0)  # first step's ts - its wall - run start
+    assert row["time_to_acc_0.45"] == 8.0  # v0 (0.5) is the starting model: the first trained version is v4
+    assert row["time_to_acc_0.9"] is None
+    assert (row["initial_eval_acc"], row["final_eval_acc"], row["best_eval_acc"]) == (0.5, 0.7, 0.7)
+    assert row["reward_auc"] == pytest.approx(0.1 + 0.2 + 0.3 + 0.4)
+    assert row["logprob_abs_diff_mean"] == pytest.approx(0.025)
+    assert (row["groups_produced"], row["groups_trained"], row["groups_dropped"], row["groups_reenqueued"]) == \
+        (20, 16, 1, 0)
+    assert row["trainer_wait_frac"] == 0.5 and row["trainer_checkpoint_frac"] == 0.125
+    assert list(row) == summ.columns([0.45, 0.9])
+
+
+def test_speed_ups_and_the_headline(tmp_path: Path) -> None:
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "s", "base": str(REPO / "configs/test.yaml"), "baseline": "sync", "seeds": [0, 1],
+        "stop": {"steps": 4}, "variants": {"sync": {}, "async": {}}}))
+    spec = load_spec(spec_path)
+    metrics = {"s0": run_rows(3.0, {0: 0.2, 4: 0.5}), "s1": run_rows(2.5, {0: 0.2, 4: 0.7}),
+               "a0": run_rows(1.5, {0: 0.2, 2: 0.6, 4: 0.7}), "a1": run_rows(1.25, {0: 0.2, 2: 0.4, 4: 0.6})}
+    rows = [summ.run_row(m, v, s, [], 4, None, None, key) for key, m, v, s in
+            (("s0", metrics["s0"], "sync", 0), ("s1", metrics["s1"], "sync", 1),
+             ("a0", metrics["a0"], "async", 0), ("a1", metrics["a1"], "async", 1))]
+    add_time_to_baseline(spec, rows, metrics)
+    # sync's mean final accuracy is 0.6: async seed 0 publishes v2 (0.6) at 3.0 s, seed 1 reaches it at v4, 5.0 s
+    assert [r["time_to_baseline_acc_s"] for r in rows] == [None, 10.0, 3.0, 5.0]
+    (r,) = ratios(spec, rows)
+    assert r.to_k is not None and r.to_k.estimate == pytest.approx((12 + 10) / (6 + 5))
+    assert r.to_acc is not None and r.to_acc.estimate == pytest.approx(11.0 / 4.0)
+    assert r.reached == (2, 2)
+    line = headline(spec, rows)
+    assert line.startswith("async/sync wall-clock to 4 steps: 2.00× (seeds 2, 95% interval [")
+    assert line.endswith("); to sync final accuracy: 2.75×")
