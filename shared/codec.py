@@ -74,27 +74,14 @@ def _unrle(runs: list[Any], where: str) -> list[str]:
     return out
 
 
-def _private(sample: Sample) -> dict[str, Any]:
-    return sample.__pydantic_private__  # type: ignore[return-value]  # direct: no __getattr__ chain per field
-
-
-def _cached(sample: Sample, name: str) -> Any:
-    raw = _private(sample)["_lazy"].get(name)
-    if raw is not None:  # never materialized: the bytes are still exactly what arrived
-        return raw
-    hit = _private(sample)["_packed"].get(name)
-    return hit[1] if hit is not None and hit[0] == getattr(sample, name) else None
-
-
 def _sample_to_wire(sample: Sample) -> dict[str, Any]:
     out = sample.__dict__.copy()  # field values; arrays still lazy are absent and come from the cache
     out["version_spans"] = [span.model_dump() for span in sample.version_spans]
     for name, code in _PACKED.items():
-        raw = _cached(sample, name)
+        raw = sample.wire_form(name)
         out[name] = raw if raw is not None else packed.pack(getattr(sample, name), code)
-    runs = _private(sample)["_packed"].get("token_versions")
-    same = runs is not None and runs[0] == sample.token_versions
-    out["token_versions"] = runs[1] if same and runs is not None else _rle(sample.token_versions)
+    runs = sample.wire_form("token_versions")
+    out["token_versions"] = runs if runs is not None else _rle(sample.token_versions)
     return out
 
 
@@ -120,12 +107,7 @@ def _sample_from_wire(raw: Any, where: str) -> Sample:
     mask = lazy.get("loss_mask")
     try:
         sample = Sample.model_validate(head, context={"arrays_deferred": True})
-        for name in lazy:
-            del sample.__dict__[name]
-        private = _private(sample)
-        private["_lazy"].update(lazy)
-        if runs is not None:
-            private["_packed"]["token_versions"] = (sample.token_versions.copy(), runs)
+        sample.defer_arrays(lazy, runs)
         if mask is not None and mask.translate(None, b"\x00\x01"):  # bytes-level 0/1 check, no per-token loop
             raise ValueError("loss_mask: every value must be 0 or 1")
         sample.check_aligned(check_mask=mask is None)

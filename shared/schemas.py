@@ -112,6 +112,26 @@ class Sample(_Wire):
             getattr(self, name)
         return self
 
+    def defer_arrays(self, arrays: dict[str, bytes], version_runs: list[Any] | None) -> None:
+        """For the codec: hold the packed ``arrays`` (field name -> raw bytes) unread until first access,
+        and remember the ``token_versions`` runs they arrived as (both re-sent as they are while unchanged)."""
+        private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]  # declared above
+        for name in arrays:
+            del self.__dict__[name]
+        private["_lazy"].update(arrays)
+        if version_runs is not None:
+            private["_packed"]["token_versions"] = (self.token_versions.copy(), version_runs)
+
+    def wire_form(self, name: str) -> Any:
+        """What field ``name`` arrived as on the wire (packed bytes, or ``token_versions`` runs) while it is
+        unchanged since; None when it was never decoded from the wire or has changed."""
+        private: dict[str, Any] = self.__pydantic_private__  # type: ignore[assignment]  # declared above
+        raw = private["_lazy"].get(name)
+        if raw is not None:  # never materialized: the bytes are still exactly what arrived
+            return raw
+        hit = private["_packed"].get(name)
+        return hit[1] if hit is not None and hit[0] == getattr(self, name) else None
+
     def field_len(self, name: str) -> int:
         """Length of a per-token field without materializing a lazy array."""
         raw = self.__pydantic_private__["_lazy"].get(name)  # type: ignore[index]
