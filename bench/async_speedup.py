@@ -18,6 +18,7 @@ experiment folder first (what a new measurement needs); ``--full`` runs the whol
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="the whole spec instead of its quick preset")
     p.add_argument("--jobs", type=int, default=1)
     args = p.parse_args(argv)
+    os.chdir(ROOT)  # the spec's paths (base config, model, data) are relative to the repository
     quick = not args.full
     spec = load_spec(SPEC, quick=quick)
     folder = ROOT / OUT / spec.name
