@@ -44,7 +44,9 @@ def seed(r: redis.Redis, keys: Keys) -> None:
     heartbeat(r, keys, "rollout-worker", "host-1", ttl_s=15)
     now = time.time()
     for step in range(1, 4):
-        r.xadd(keys.metrics, {"service": "trainer", "ts": f"{now - 30 + 10 * step:.3f}", "train/step": str(step)})
+        r.xadd(keys.metrics, {"service": "trainer", "ts": f"{now - 30 + 10 * step:.3f}", "train/step": str(step),
+                              "time/wait_s": str(step), "time/train_s": str(8 * step), "time/checkpoint_s": "0.5",
+                              "time/publish_s": "0.25", "time/other_s": "0.25", "time/wall_s": str(10 * step)})
     report_metrics(r, keys, "group-collector", {"staleness/dropped_groups": 2})
 
 
@@ -81,6 +83,7 @@ def test_render_shows_every_section(redis_client: redis.Redis, keys: Keys) -> No
     assert "stale dropped 2" in lines["DROPS"] and "re-enqueued 3" in lines["DROPS"]
     assert lines["DEAD"].split(None, 1)[1] == "malformed 2, retries_exhausted 1"
     assert "trainer 6.00 steps/min" in lines["THROUGHPUT"]  # 2 steps over 20 s
+    assert "trainer wait 10%" in lines["TIME"] and "trainer train 80%" in lines["TIME"]  # newest step: 3 s, 24 s of 30
     assert "worker-a (2," in screen and "DOWN (no heartbeat key)" in screen
     assert re.search(r"proxy\s+-\s+DOWN", screen) and re.search(r"trainer\s+trainer\s+alive", screen)
 
