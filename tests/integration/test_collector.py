@@ -18,7 +18,7 @@ from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
 from shared.codec import decode_entry, encode_entry
 from shared.config import CollectorConfig, StalenessSection
-from shared.keys import Keys
+from shared.keys import GROUP_COLLECTOR, Keys
 from shared.redisproc import RedisProcess
 from shared.schemas import Batch, DeadLetter, PromptGroup, RolloutGroup, WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
@@ -60,6 +60,15 @@ def trainer_takes(r: redis.Redis, keys: Keys) -> None:
 
 def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}
+
+
+def wait_idle(r: redis.Redis, keys: Keys, idle_ms: int, timeout_s: float = 10.0) -> None:
+    """Until every pending rollout entry has been idle ``idle_ms`` (what a reclaim waits for)."""
+    deadline = time.monotonic() + timeout_s
+    while any(p["time_since_delivered"] < idle_ms
+              for p in r.xpending_range(keys.rollouts, GROUP_COLLECTOR, min="-", max="+", count=100)):
+        assert time.monotonic() < deadline, "entries never became idle"
+        time.sleep(0.01)
 
 
 def pending(r: redis.Redis, keys: Keys) -> int:
@@ -149,7 +158,7 @@ def test_a_dead_collectors_entries_are_reclaimed_by_another(redis_client: redis.
     dead = collector(r, keys, per_batch=4, consumer="dead")
     dead.run()  # holds g0..g2 waiting, then "dies"
     assert pending(r, keys) == 3
-    time.sleep(0.3)
+    wait_idle(r, keys, 200)
     put(r, keys, rollout_group("g3", ["0"]))
     collector(r, keys, per_batch=4, consumer="alive", claim_idle_ms=200).run()
     assert batches(r, keys) == [["g0:0", "g1:0", "g2:0", "g3:0"]]
@@ -164,7 +173,7 @@ def test_two_collectors_holding_the_same_entries_commit_them_once(redis_client: 
     slow = collector(r, keys, per_batch=2, consumer="slow", max_ready=10)
     slow.setup()
     slow.execute(slow.ingest(slow.reader.read(10, None)))  # waiting, not yet assembled (paused)
-    time.sleep(0.3)
+    wait_idle(r, keys, 200)
     fast = collector(r, keys, per_batch=2, consumer="fast", claim_idle_ms=200, max_ready=10)
     fast.run()  # believes "slow" is dead, reclaims and batches g1, g2
     slow.execute(slow.assemble())  # resumes: its batch is refused, its copies discarded

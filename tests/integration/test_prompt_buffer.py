@@ -70,7 +70,10 @@ def test_a_new_version_wakes_the_buffer_at_once(redis_client: redis.Redis, keys:
     thread = threading.Thread(target=pb.run, daemon=True)
     thread.start()
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not r.exists(keys.health("prompt-buffer", "pb")):  # its first step ran (and found no version)
+            assert time.monotonic() < deadline, "the buffer never beat"
+            time.sleep(0.01)
         assert r.xlen(keys.prompts) == 0
         publish(r, keys, 0)
         deadline = time.monotonic() + 5
