@@ -8,7 +8,8 @@ Sources (all cumulative, so any two samples give the rate in between):
   ``proxy/weight_update_s`` (the proxy paused for a weight load), sampled every few seconds;
 * the rollout workers' ``rollout/group_seconds`` per finished group: a group's wall time is spent
   waiting on the proxy (its model calls), so their sum over the worker slots
-  (workers × ``rollout.concurrency``) and the run's length is the slots' busy fraction.
+  (workers × ``rollout.concurrency``) and the trainer loop's length is the slots' busy fraction
+  (groups that finished while the loop ran; without trainer rows, the whole span of the rows).
 
 The weight-publication pause is the trainer's checkpoint + publish fractions plus the proxy's
 update fraction (pause, engine load, resume): the two happen in different processes, and adding
@@ -105,9 +106,14 @@ def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
     start = end - wall if end is not None and wall else None
     ops = covering([r for r in rows if r.get("service") == "ops"], start, end)
     updates = [number(r.get("proxy/weight_updates")) for r in ops]
-    groups = [v for v in (number(r.get("rollout/group_seconds")) for r in rows) if v is not None]
-    ts = [t for t in (number(r.get("ts")) for r in rows) if t is not None]
-    length = (max(ts) - min(ts)) if ts else 0.0
+    if start is not None and end is not None:  # the workers' groups that finished while the trainer ran
+        in_loop = [r for r in rows if start <= (number(r.get("ts")) or 0.0) <= end]
+        length = end - start
+    else:
+        in_loop = list(rows)
+        ts = [t for t in (number(r.get("ts")) for r in rows) if t is not None]
+        length = (max(ts) - min(ts)) if ts else 0.0
+    groups = [v for v in (number(r.get("rollout/group_seconds")) for r in in_loop) if v is not None]
     return TimeSplit(
         trainer_wall_s=wall,
         trainer={p: s / wall for p, s in seconds.items()} if wall else {},

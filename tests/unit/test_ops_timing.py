@@ -52,8 +52,8 @@ def rows() -> list[dict[str, object]]:
         {"service": "ops", "ts": 1000.0, "engine/busy_s": 10.0, "proxy/weight_update_s": 1.0, "proxy/weight_updates": 2},
         {"service": "trainer", "ts": 1010.0, "train/step": 1, "time/wait_s": 1.0, "time/train_s": 2.0,
          "time/checkpoint_s": 0.5, "time/publish_s": 0.5, "time/other_s": 0.0, "time/wall_s": 4.0},
-        {"service": "rollout-worker", "ts": 1020.0, "rollout/group_seconds": 30.0},
-        {"service": "rollout-worker", "ts": 1030.0, "rollout/group_seconds": 50.0},
+        {"service": "rollout-worker", "ts": 1020.0, "rollout/group_seconds": 10.0},
+        {"service": "rollout-worker", "ts": 1030.0, "rollout/group_seconds": 22.0},
         {"service": "trainer", "ts": 1040.0, "train/step": 2, "time/wait_s": 4.0, "time/train_s": 12.0,
          "time/checkpoint_s": 1.0, "time/publish_s": 2.0, "time/other_s": 1.0, "time/wall_s": 20.0},
         {"service": "ops", "ts": 1050.0, "engine/busy_s": 40.0, "proxy/weight_update_s": 2.0, "proxy/weight_updates": 5},
@@ -70,8 +70,8 @@ def test_fractions_come_from_the_newest_trainer_row_and_the_sampled_clocks() -> 
     assert split.proxy_pause == pytest.approx(1.0 / 50.0)
     assert split.weight_updates == 5
     assert split.publication_pause == pytest.approx(0.05 + 0.1 + 0.02)
-    assert split.group_seconds_mean == 40.0
-    assert split.worker_slot_busy == pytest.approx(80.0 / (4 * 50.0))
+    assert split.group_seconds_mean == 16.0
+    assert split.worker_slot_busy == pytest.approx(32.0 / (4 * 20.0))  # over the trainer loop, 1020..1040 s
 
 
 def test_no_data_gives_none_not_zero() -> None:
