@@ -37,6 +37,10 @@ class ToolCall:
     name: str
     arguments: str  # JSON text of an object
 
+    def hermes(self) -> str:
+        """The call as the model writes it (what a chat template renders for it)."""
+        return f'<tool_call>\n{{"name": {json.dumps(self.name)}, "arguments": {self.arguments}}}\n</tool_call>'
+
     def openai(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}

@@ -9,8 +9,10 @@
   ``"none"`` without a proxy key), ``DRESSAGE_SESSION_ID``, and on stdin the JSON
   ``{"messages", "task", "max_new_tokens", "temperature", "session_id"}``. It answers on stdout
   with ``{"reply": "..."}`` or plain text and exits 0. The reply is scored by the task verifier
-  as the episode's one reply: black-box agents suit single-turn tasks; on a multi-turn task only
-  that first reply is scored (the agent sees no environment feedback).
+  as the episode's one reply. A multi-turn agent (one that ran its own tool loop) may add
+  ``"turns": ["<assistant text>", ...]``: every assistant message it got, as the model wrote it
+  (tool calls in their Hermes text, ``shared.toolcalls.ToolCall.hermes``); they are stepped into
+  the episode in order (until it is done), so the task scores the whole loop, tool use included.
   A non-zero exit fails the trajectory; if the agent printed a proxy error code of THIS run
   (``{"error": "<code>"}`` on stdout, or the code in stderr), that code is the failure's code,
   so a relayed staleness rejection is classified as one. The agent is killed with its process group
@@ -86,6 +88,18 @@ def agent_input(task: str, messages: list[dict[str, str]], max_new_tokens: int, 
                        "temperature": temperature, "session_id": session_id}).encode()
 
 
+def agent_turns(stdout: bytes) -> list[str]:
+    """The assistant turns to score: ``turns`` when the agent listed them, else its one reply."""
+    try:
+        data: Any = json.loads(stdout[:MAX_AGENT_OUTPUT].decode("utf-8", errors="replace"))
+    except ValueError:
+        data = None
+    turns = data.get("turns") if isinstance(data, dict) else None
+    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        return turns
+    return [parse_agent_output(stdout)]
+
+
 def parse_agent_output(stdout: bytes) -> str:
     """The agent's final answer: ``{"reply": ...}`` JSON, else the plain text (stripped)."""
     text = stdout[:MAX_AGENT_OUTPUT].decode("utf-8", errors="replace").strip()
@@ -146,7 +160,10 @@ async def run_blackbox(command: list[str], proxy: ProxyClient, session_id: str, 
         _kill_group(proc)  # children it left behind
     if proc.returncode != 0:
         raise agent_failure(proc.returncode or -1, stdout, stderr, session_id)
-    episode.step(parse_agent_output(stdout))
+    for turn in agent_turns(stdout):
+        if episode.done:
+            break
+        episode.step(turn)
 
 
 def check_agent_command(command: list[str] | None, agent_uid: int | None = None) -> None:

@@ -8,8 +8,9 @@ An episode is the tool loop an agent runs: the model sees the tool list (``TOOLS
 chat template), replies with a Hermes tool call (``<tool_call>{"name": "lookup", "arguments":
 {"key": "qzt"}}</tool_call>``, parsed by ``shared.toolcalls`` as the proxy parses it), the
 environment answers with a ``tool`` message, and the model's first reply without a tool call is its
-answer. ``max_turns`` bounds the loop. Reward: ``digit_credit`` of the answer (1.0 exact, partial
-credit per matching digit), 0.0 when the model never answers. ``tool_calls`` / ``malformed``
+answer. ``max_turns`` bounds the loop. Reward: ``TOOL_CREDIT`` for a well-formed ``lookup`` call
+with the prompt's key (using the tool right is the skill) plus ``1 - TOOL_CREDIT`` times the
+answer's ``digit_credit`` (exact, or partial per matching digit); 1.0 only for both. ``tool_calls`` / ``malformed``
 count the well-formed and malformed calls of the episode (the share of well-formed calls is a
 training metric of the tool agent).
 """
@@ -37,6 +38,7 @@ from shared.tasks.base import (
 from shared.toolcalls import ToolCall, split
 
 _PROMPT = re.compile(r"code of ([a-z]{3})\?")
+TOOL_CREDIT = 0.3  # share of the reward for calling the tool with the right key
 TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
     "name": "lookup", "description": "The 4-digit code of a key.",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
@@ -60,13 +62,14 @@ def run_tool(call: ToolCall) -> str:
 
 def tool_call_text(key: str) -> str:
     """The Hermes call the chat template writes for ``lookup(key)`` (what a demonstration shows)."""
-    return f'<tool_call>\n{{"name": "lookup", "arguments": {json.dumps({"key": key})}}}\n</tool_call>'
+    return ToolCall("", "lookup", json.dumps({"key": key})).hermes()
 
 
 class LookupEpisode(Episode):
-    def __init__(self, messages: list[ChatMessage], answer: str, max_turns: int) -> None:
+    def __init__(self, messages: list[ChatMessage], key: str, answer: str, max_turns: int) -> None:
         super().__init__(messages, max_turns=max_turns)
-        self.answer = answer
+        self.key, self.answer = key, answer
+        self.used_tool = False  # a well-formed lookup call with the prompt's key was made
         self.final: str | None = None  # the reply without a tool call (None: never answered)
         self.tool_calls = 0
         self.malformed = 0
@@ -80,13 +83,16 @@ class LookupEpisode(Episode):
             self.done = True  # an answer ends the episode
             return None
         self.tool_calls += len(calls)  # each call is answered by a ``tool`` message
+        self.used_tool = self.used_tool or any(
+            c.name == "lookup" and json.loads(c.arguments).get("key") == self.key for c in calls)
         results = [run_tool(c) for c in calls]
         if self.turns < self.max_turns:
             self._messages += [{"role": "tool", "content": r} for r in results]
         return None
 
     def reward(self) -> float:
-        return digit_credit(self.final, self.answer) if self.final is not None else 0.0
+        answer = digit_credit(self.final, self.answer) if self.final is not None else 0.0
+        return TOOL_CREDIT * self.used_tool + (1 - TOOL_CREDIT) * answer
 
 
 class LookupTask:
@@ -127,8 +133,8 @@ class LookupTask:
         return messages, m.group(1)
 
     def start(self, prompt: str | Sequence[Any], reference: Any) -> LookupEpisode:
-        messages, _ = self._key(prompt, reference)
-        return LookupEpisode(messages, reference, self.max_turns)
+        messages, key = self._key(prompt, reference)
+        return LookupEpisode(messages, key, reference, self.max_turns)
 
     def demonstration(self, prompt: str | Sequence[Any], reference: Any) -> list[DemoTurn]:
         """Call the tool with the prompt's key, then answer with its result."""

@@ -85,7 +85,12 @@ def test_tool_agent_runs_the_tool_loop_through_the_proxy(tmp_path: Path, fake_en
         out = subprocess.run([sys.executable, str(REPO / "examples/agents/tool_agent.py")], input=stdin, env=env,
                              capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout) == {"reply": lookup_value(row["prompt"][8:11])}
+        answer = json.loads(out.stdout)
+        assert answer["reply"] == lookup_value(row["prompt"][8:11])
+        episode = get_task("lookup").start(row["prompt"], row["reference"])
+        for turn in answer["turns"]:  # what the worker does with them (agents.agent_turns)
+            episode.step(turn)
+        assert episode.done and episode.correct() and episode.tool_calls == 1  # the tool use is scored too
         session = httpx.get(f"{p.url}/v1/sessions/agent-1").json()
     assert session["turns"] == 2 and session["num_segments"] == 1  # the tool turn extended the first one
     assert session["samples"][0]["meta"]["tool_calls"] == 1
@@ -95,9 +100,12 @@ def test_tool_agent_runs_the_tool_loop_through_the_proxy(tmp_path: Path, fake_en
 @pytest.mark.skipif(os.environ.get("DRESSAGE_LEARNING") != "1", reason="long learning run: DRESSAGE_LEARNING=1 "
                                                                         "or `make tool-agent`")
 def test_tool_agent_learns_under_dressage_up(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRESSAGE_ROLLOUT_AGENT_COMMAND": json.dumps(
-        [sys.executable, "examples/agents/tool_agent.py"])}
+    run, model = tmp_path / "run", tmp_path / "lookup-tiny"
+    # A partial skill (the call format, keys mostly copied), as `make tool-agent` builds it.
+    subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "lookup", "--out", str(model),
+                    "--warm-steps", "200", "--target-accuracy", "0"], cwd=REPO, check=True, timeout=1800)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRESSAGE_MODEL_PATH": str(model),
+           "DRESSAGE_ROLLOUT_AGENT_COMMAND": json.dumps([sys.executable, "examples/agents/tool_agent.py"])}
     env.pop("REDIS_URL", None)
     out = subprocess.run([sys.executable, "-m", "services", "up", "--config", "configs/tool-agent.yaml", "--demo",
                           "--run-dir", str(run), "--quiet"], cwd=REPO, env=env, capture_output=True, text=True,

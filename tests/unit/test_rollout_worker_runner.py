@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.rollout_worker.agents import agent_env, check_agent_command, parse_agent_output
+from services.rollout_worker.agents import agent_env, agent_turns, check_agent_command, parse_agent_output
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient, serve
 from services.rollout_worker.proxy_client import HttpProxyClient, ProxyClient
 from services.rollout_worker.runner import GroupFailed, GroupRunner
@@ -222,3 +222,10 @@ def test_missing_agent_program_is_a_config_error() -> None:
         check_agent_command(["/nonexistent/agent-binary"])
     check_agent_command([sys.executable, ECHO_AGENT])
     check_agent_command(None)
+
+
+def test_agent_turns_are_the_listed_assistant_turns_else_the_one_reply() -> None:
+    assert agent_turns(b'{"reply": "42", "turns": ["<tool_call>x</tool_call>", "42"]}') == [
+        "<tool_call>x</tool_call>", "42"]
+    assert agent_turns(b'{"reply": "42"}') == ["42"] and agent_turns(b"plain") == ["plain"]
+    assert agent_turns(b'{"reply": "7", "turns": [1, 2]}') == ["7"]  # malformed turns: the reply counts
