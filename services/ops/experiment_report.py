@@ -150,6 +150,17 @@ def decomposition_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list
     return out
 
 
+def cores_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """CPU cores each service used on average while the trainer ran (mean over seeds)."""
+    names = [c for c in summ.columns(spec.targets) if c.startswith("cores_")]
+    used = [c for c in names if any(number(r.get(c)) is not None for r in rows)]
+    out = [["variant", *[c.removeprefix("cores_").replace("_", "-") for c in used]]]
+    for v in spec.variants:
+        out.append([v, *["-" if (iv := _mean(summ.values(rows, v, c))) is None else f"{iv.estimate:.2f}"
+                         for c in used]])
+    return out
+
+
 def markdown(table: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     lines += ["| " + " | ".join(row) + " |" for row in table[1:]]
@@ -218,7 +229,9 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
     pngs = plot_experiment(spec, rows, metrics, root) if rows else []
     tables = [("Per variant (mean [95 % interval] across seeds)", variant_table(spec, rows)),
               (f"Ratios against the baseline ({spec.baseline})", ratio_table(spec, rows)),
-              ("Where the time goes (fractions of wall-clock, mean [95 % interval])", decomposition_table(spec, rows))]
+              ("Where the time goes (fractions of wall-clock, mean [95 % interval])", decomposition_table(spec, rows)),
+              (f"CPU cores used per service while the trainer ran (mean; the machine has {os.cpu_count()})",
+               cores_table(spec, rows))]
     target = baseline_accuracy(spec, rows)
     facts = [("spec", spec.path + (" (quick preset)" if spec.quick else "")), ("command", command),
              ("seeds", ", ".join(map(str, spec.seeds))), ("stop rule", spec.stop.describe()),
@@ -242,7 +255,8 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
         f"<h2>{html.escape(t)}</h2>{html_table(tb)}" for t, tb in tables)
     page = page.replace("<h2>Plots</h2>", extra + "\n<h2>Plots</h2>", 1)
     (root / "report.html").write_text(page, encoding="utf-8")
-    text = "\n".join([head, "", markdown(ratio_table(spec, rows)), "", markdown(decomposition_table(spec, rows))])
+    text = "\n".join([head, "", markdown(ratio_table(spec, rows)), "", markdown(decomposition_table(spec, rows)),
+                      "", markdown(cores_table(spec, rows))])
     return Files(root / "summary.csv", root / "results.md", root / "report.html", pngs, text if rows else "")
 
 

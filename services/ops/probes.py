@@ -3,18 +3,23 @@
 ``dressage up`` reports them every few seconds as service ``ops`` rows in ``{p}:metrics``:
 ``engine/busy_s`` (the engine scheduler's cumulative seconds with a forward pass running,
 summed over the run's engines) and ``proxy/weight_update_s`` / ``proxy/weight_updates`` (the
-proxy's cumulative weight-publication pause: pause, engine loads, resume). Differences between
-two samples divided by the time between them give the busy and pause fractions
-(``services.ops.timing``). A probe that fails returns nothing: telemetry never stops a run.
+proxy's cumulative weight-publication pause: pause, engine loads, resume), and ``cpu/<service>_s``
+(user + system CPU seconds of each service's processes from ``/proc/<pid>/stat``, replicas summed:
+on a small machine this is where the cores go). Differences between two samples divided by the time
+between them give the busy and pause fractions and the cores used (``services.ops.timing``). A probe
+that fails returns nothing: telemetry never stops a run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -32,11 +37,40 @@ def _get_json(url: str, token: str | None) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """User + system CPU seconds of a live process (Linux ``/proc``); None when unreadable."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
+    try:
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (IndexError, ValueError):
+        return None
+
+
+def service_of(process: str) -> str:
+    """``rollout-worker-2`` -> ``rollout-worker``: replicas are summed under their service."""
+    return re.sub(r"-\d+$", "", process)
+
+
+def cpu_by_service(pids: Mapping[str, int], proc: Path = Path("/proc")) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        seconds = cpu_seconds(pid, proc)
+        if seconds is not None:
+            key = f"cpu/{service_of(name)}_s"
+            out[key] = round(out.get(key, 0.0) + seconds, 3)
+    return out
+
+
 class ServiceProbe:
     """``sample()`` -> the newest cumulative clocks of the engines and the proxy (absent when unreachable)."""
 
     def __init__(self, engines: Sequence[str], proxy: str | None, proxy_token: str | None = None,
-                 engine_token: str | None = None) -> None:
+                 engine_token: str | None = None, pids: Callable[[], Mapping[str, int]] | None = None) -> None:
+        self.pids = pids  # process name -> pid of the run's services (the supervisor's), for CPU seconds
         self.engines = [e.rstrip("/") for e in engines]
         self.proxy = proxy.rstrip("/") if proxy else None
         self.proxy_token, self.engine_token = proxy_token, engine_token
@@ -51,4 +85,6 @@ class ServiceProbe:
             if state is not None and "weight_update_seconds_total" in state:
                 out["proxy/weight_update_s"] = float(state["weight_update_seconds_total"])
                 out["proxy/weight_updates"] = float(state.get("weight_updates_total", 0))
+        if self.pids is not None:
+            out.update(cpu_by_service(self.pids()))
         return out

@@ -4,8 +4,10 @@ Sources (all cumulative, so any two samples give the rate in between):
 * the trainer's ``time/{wait,train,checkpoint,publish,other,wall}_s`` on every step
   (``shared.phases``: the phases never overlap, so they and ``other`` sum to ``wall`` exactly;
   ``other`` is what the four named phases do not explain: metric reports, heartbeats, decoding);
-* the ``ops`` rows of ``dressage up``: ``engine/busy_s`` (a forward pass running) and
-  ``proxy/weight_update_s`` (the proxy paused for a weight load), sampled every few seconds;
+* the ``ops`` rows of ``dressage up``: ``engine/busy_s`` (a forward pass running),
+  ``proxy/weight_update_s`` (the proxy paused for a weight load) and ``cpu/<service>_s`` (CPU
+  seconds of each service's processes), sampled every few seconds; CPU seconds per second are the
+  cores a service used, which on a 2-core machine says who takes the cores from rollout and training;
 * the rollout workers' ``rollout/group_seconds`` per finished group: a group's wall time is spent
   waiting on the proxy (its model calls), so their sum over the worker slots
   (workers × ``rollout.concurrency``) and the trainer loop's length is the slots' busy fraction
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.ops.series import Row, number, trainer_rows
+from shared.config import LOCAL_SERVICES
 
 TRAINER_PHASES = ("wait", "train", "checkpoint", "publish", "other")
 
@@ -36,6 +39,7 @@ class TimeSplit:
     weight_updates: int | None = None  # weight loads the proxy applied
     group_seconds_mean: float | None = None  # mean wall time of one group attempt (waiting on the proxy)
     worker_slot_busy: float | None = None  # Σ group seconds / (slots × run length)
+    cores: dict[str, float] = field(default_factory=dict)  # service -> CPU cores used on average (loop window)
 
     @property
     def engine_idle(self) -> float | None:
@@ -123,6 +127,7 @@ def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
         weight_updates=int(max(u for u in updates if u is not None)) if any(u is not None for u in updates) else None,
         group_seconds_mean=sum(groups) / len(groups) if groups else None,
         worker_slot_busy=(sum(groups) / (slots * length)) if slots and groups and length > 0 else None,
+        cores={s: c for s in LOCAL_SERVICES if (c := _rate(ops, f"cpu/{s}_s", start, end)) is not None},
     )
 
 
@@ -133,6 +138,8 @@ def columns(split: TimeSplit) -> dict[str, float | None]:
                 "engine_idle_frac": split.engine_idle, "proxy_pause_frac": split.proxy_pause,
                 "publication_pause_frac": split.publication_pause, "group_seconds_mean": split.group_seconds_mean,
                 "worker_slot_busy_frac": split.worker_slot_busy})
+    out.update({f"cores_{s.replace('-', '_')}": split.cores.get(s) for s in LOCAL_SERVICES})
+    out["cores_total"] = sum(split.cores.values()) if split.cores else None
     return out
 
 
@@ -151,7 +158,9 @@ def summary_pairs(split: TimeSplit) -> list[tuple[str, str]]:
             ("weight publication pause (checkpoint + publish + proxy)", pct(split.publication_pause)),
             ("rollout group wait on the proxy, mean",
              "-" if split.group_seconds_mean is None else f"{split.group_seconds_mean:.2f} s"),
-            ("rollout worker slots busy", pct(split.worker_slot_busy))]
+            ("rollout worker slots busy", pct(split.worker_slot_busy)),
+            ("CPU cores used (services)", ", ".join(f"{s} {c:.2f}" for s, c in split.cores.items())
+             + (f"; total {sum(split.cores.values()):.2f}" if split.cores else "-"))]
     return out
 
 

@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                             probe=probe.sample)
         sup = Supervisor(specs, restart=args.restart, grace_s=cfg.ops.stop_grace_s,
                          policy=RestartPolicy(max_restarts=cfg.ops.restart_max))
+        probe.pids = sup.pids  # CPU seconds per service in every stats snapshot
         def finish_evaluation(res: RunResult) -> None:
             if res.outcome == "finished" and cfg.eval.every_versions > 0 and not stop.is_set:
                 sup.stop(min_tier=TIER_SOURCE)  # no new rollouts; the eval worker keeps going

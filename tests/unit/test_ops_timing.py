@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from services.ops.probes import cpu_by_service, cpu_seconds
 from services.ops.timing import columns, decompose, one_line, summary_pairs
 from shared.phases import PhaseClock, PhaseNesting
 
@@ -106,3 +110,24 @@ def test_engine_fraction_interpolates_the_counter_at_the_loop_ends() -> None:
              "time/checkpoint_s": 0.0, "time/publish_s": 0.0, "time/other_s": 0.0, "time/wall_s": 20.0},
             {"service": "ops", "ts": 1040.0, "engine/busy_s": 30.0}]
     assert decompose(rows).engine_busy == pytest.approx(15.0 / 20.0)
+
+
+def test_cpu_seconds_from_proc_stat_and_replicas_summed(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid, (utime, stime) in {11: (3 * ticks, ticks), 12: (ticks, 0), 13: (2 * ticks, 2 * ticks)}.items():
+        (tmp_path / str(pid)).mkdir()
+        rest = " ".join(["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 30)
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python -m x) {rest}\n")
+    assert cpu_seconds(11, tmp_path) == 4.0 and cpu_seconds(99, tmp_path) is None
+    pids = {"engine": 11, "rollout-worker-1": 12, "rollout-worker-2": 13, "gone": 99}
+    assert cpu_by_service(pids, tmp_path) == {"cpu/engine_s": 4.0, "cpu/rollout-worker_s": 5.0}
+
+
+def test_cores_used_per_service_over_the_loop() -> None:
+    extra = [{**r, "cpu/engine_s": 5.0 + (r["ts"] - 1000.0) * 0.5, "cpu/trainer_s": 1.0 + (r["ts"] - 1000.0) * 0.8}
+             if r["service"] == "ops" else r for r in rows()]
+    split = decompose(extra)
+    assert split.cores == {"engine": pytest.approx(0.5), "trainer": pytest.approx(0.8)}
+    cols = columns(split)
+    assert cols["cores_engine"] == pytest.approx(0.5) and cols["cores_total"] == pytest.approx(1.3)
+    assert cols["cores_rollout_worker"] is None
