@@ -53,9 +53,9 @@ def test_weights_scale_each_sequence_and_keep_the_token_denominator() -> None:
     rollout = logp.detach().clone()
     adv, mask = torch.tensor([1.0, -2.0]), torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     plain = policy_loss(logp, rollout, adv, mask, 2, LossConfig())
-    assert float(plain.loss) == pytest.approx((-1.0 + 2.0) / 2)
+    assert float(plain.loss.detach()) == pytest.approx((-1.0 + 2.0) / 2)
     weighted = policy_loss(logp, rollout, adv, mask, 2, LossConfig(), weights=torch.tensor([1.0, 0.5]))
-    assert float(weighted.loss) == pytest.approx((-1.0 * 1.0 + 2.0 * 0.5) / 2)  # = 0.0
+    assert float(weighted.loss.detach()) == pytest.approx((-1.0 * 1.0 + 2.0 * 0.5) / 2)  # = 0.0
     weighted.loss.backward()
     assert logp.grad is not None
     assert logp.grad[:, 1].tolist() == pytest.approx([-0.5, 0.5])  # d/dlogp of -A w r / n
