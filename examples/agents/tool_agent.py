@@ -64,6 +64,9 @@ def main() -> int:
         sys.stdout.write(json.dumps({"error": code, "message": exc.message}) + "\n")
         sys.stderr.write(f"tool_agent: proxy answered {exc.status_code} {code}: {exc.message}\n")
         return 3
+    except openai.APIConnectionError as exc:  # the proxy is unreachable: an infrastructure failure, not the policy's
+        sys.stdout.write(json.dumps({"error": "upstream_unavailable", "message": str(exc)}) + "\n")
+        return 3
     sys.stdout.write(json.dumps({"reply": reply, "turns": turns}) + "\n")
     return 0
 

@@ -11,7 +11,9 @@ abort the engine request. Invariants:
   returned text is exactly those tokens' text -- the recorded tokens end where the returned
   text ends, even when a stop string starts inside a token;
 * events (content pieces and tool calls, ``toolcalls``) are emitted only for text that can no
-  longer be cut: a tail that could still be the start of a stop string is held back.
+  longer be cut: a tail that could still be the start of a stop string is held back;
+* with no stop strings and no listener (a whole response), nothing needs the text before the
+  end: the tokens are decoded once in ``finish`` (the proxy's hot path stays one decode).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class TurnOutput:
         """Append tokens; True once a stop string matched (later tokens are ignored)."""
         if self.stopped:
             return True
+        if not self.stops and self.listener is None:  # nothing needs the text before the end: decode once then
+            self.ids += ids
+            self.logprobs += logprobs
+            self.tops += [list(t) for t in tops] if tops is not None else [[] for _ in ids]
+            return False
         for i, tok in enumerate(ids):
             self.ids.append(int(tok))
             self.logprobs.append(float(logprobs[i]))
@@ -67,6 +74,8 @@ class TurnOutput:
 
     def finish(self) -> list[Event]:
         """End of generation: flush held-back text and open tool-call blocks; returns every event."""
+        if self._read < len(self.ids) and not self.stops and self.listener is None:  # the one-decode path
+            self.text, self._read = self.decode(self.ids), len(self.ids)
         self._emit(final=True)
         self._publish(self.splitter.finish())
         return self.events

@@ -103,7 +103,7 @@ def test_tool_agent_learns_under_dressage_up(tmp_path: Path) -> None:
     run, model = tmp_path / "run", tmp_path / "lookup-tiny"
     # A partial skill (the call format, keys mostly copied), as `make tool-agent` builds it.
     subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "lookup", "--out", str(model),
-                    "--warm-steps", "200", "--target-accuracy", "0"], cwd=REPO, check=True, timeout=1800)
+                    "--warm-steps", "450", "--target-accuracy", "0"], cwd=REPO, check=True, timeout=1800)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRESSAGE_MODEL_PATH": str(model),
            "DRESSAGE_ROLLOUT_AGENT_COMMAND": json.dumps([sys.executable, "examples/agents/tool_agent.py"])}
     env.pop("REDIS_URL", None)
