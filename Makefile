@@ -42,7 +42,7 @@ test-integration: venv
 test-chaos: venv
 	$(BIN)/python -m pytest -q tests/chaos
 
-# The 10-minute chaos soak (every service faulted, Redis crashed once); `make test` runs a 30-s preset.
+# The 10-minute chaos soak (every service faulted, Redis crashed once); `make test` runs a 20-s preset.
 # CHAOS_SEED picks the fault schedule; the figures land in runs/soak-figures.jsonl (docs/reliability.md).
 soak: venv
 	mkdir -p runs

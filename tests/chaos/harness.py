@@ -284,9 +284,10 @@ class Cluster:
         proc = self.procs[name] = Proc(name, service, popen, log)
         return proc
 
-    def start_pipeline(self, workers: int = 2, proxy: bool = True, trainer: bool = True) -> None:
+    def start_pipeline(self, workers: int = 2, proxy: bool = True, trainer: bool = True,
+                       up_timeout: float = 90) -> None:
         """proxy, trainer, collector, prompt-buffer, then (once the proxy answers) ``workers`` rollout
-        workers w1..wN; returns when every one of them is up."""
+        workers w1..wN; returns when every one of them is up (each within ``up_timeout`` s)."""
         if self.own_engine:
             self.start("engine")
         if proxy:
@@ -296,10 +297,10 @@ class Cluster:
         self.start("group-collector", "collector")
         self.start("prompt-buffer")
         if proxy:
-            self.wait_up("proxy", *(["engine"] if self.own_engine else []))
+            self.wait_up("proxy", *(["engine"] if self.own_engine else []), timeout=up_timeout)
         for i in range(1, workers + 1):
             self.start("rollout-worker", f"w{i}")
-        self.wait_up(*self.procs)
+        self.wait_up(*self.procs, timeout=up_timeout)
 
     def wait_up(self, *names: str, timeout: float = 90) -> None:
         for name in names:
@@ -381,10 +382,7 @@ class Cluster:
 
     def record_figures(self, test: str, **extra: Any) -> None:
         """Append this run's figures to ``$CHAOS_FIGURES`` (JSON lines) when set, for docs/reliability.md."""
-        path = os.environ.get("CHAOS_FIGURES")
-        if path:
-            with open(path, "a") as f:
-                f.write(json.dumps({"test": test, **self.figures(), **extra}) + "\n")
+        record_figures(test, {**self.figures(), **extra})
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -395,6 +393,14 @@ class Cluster:
         self.recorder.stop()
         self.r.close()
         self.redis.cleanup()
+
+
+def record_figures(test: str, figures: dict[str, Any]) -> None:
+    """Append ``figures`` to ``$CHAOS_FIGURES`` (JSON lines) when set (also after a cluster is closed)."""
+    path = os.environ.get("CHAOS_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **figures}, default=str) + "\n")
 
 
 @dataclass
