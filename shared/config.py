@@ -114,7 +114,6 @@ class ProxyConfig(Section):
     follow_versions: bool = True  # follow the version bus ({p}:weights) and load new weights into the engines
     max_sessions: int = Field(default=100_000, ge=1, le=10_000_000)  # live sessions; beyond -> 503 over_capacity
     max_turns_per_session: int = Field(default=1000, ge=1, le=1_000_000)  # beyond -> 409 session_conflict
-    # Engines serve the published weights (docs/proxy.md "Engines at the published version"):
     # How the model writes tool calls (SGLang's --tool-call-parser): "hermes" (= "qwen25", "qwen3": the
     # <tool_call>{json}</tool_call> format of Qwen models); None = never parse (tools are still rendered).
     tool_call_parser: Literal["hermes", "qwen25", "qwen3"] | None = "hermes"
@@ -142,7 +141,7 @@ class PacingConfig(Section):
     max_in_flight_groups: int = Field(default=64, ge=1, le=1_000_000)
     # Dead-letter brake (docs/operations.md): at this many dead letters per minute (over the window) the
     # prompt-buffer admits nothing until they fall to half; None = off
-    dead_letter_brake_per_min: float | None = Field(default=30.0, gt=0, le=1_000_000)
+    dead_letter_brake_per_min: float | None = Field(default=60.0, gt=0, le=1_000_000)
     dead_letter_brake_window_s: float = Field(default=60.0, ge=1, le=3600)  # the brake's sliding window
 
 
