@@ -7,6 +7,7 @@ from collections.abc import Callable
 from functools import partial
 
 from services.trainer.loop import SERVICE
+from services.trainer.parallel import run_rank
 from services.trainer.startup import open_trainer
 from shared.config import DressageConfig
 from shared.entry import run_service
@@ -16,7 +17,7 @@ from shared.modeling import ModelNotFound
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     trainer = open_trainer(cfg, cfg.redis.client(), StopFlag().install(), with_sinks=not args.burst)
-    return partial(trainer.run, burst=args.burst)
+    return partial(run_rank, partial(trainer.run, burst=args.burst), trainer.learner.parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -69,6 +70,28 @@ def split_rows(rows: Sequence[TrainRow], world: int, micro_rows: Any) -> list[Sh
     sizes = [max(1, int(micro_rows(len(p)))) if p else 1 for p in parts]
     n_micro = max(1, max(-(-len(p) // s) for p, s in zip(parts, sizes, strict=True)))
     return [Shard(p, loss_tokens, n_micro, s) for p, s in zip(parts, sizes, strict=True)]
+
+
+def run_rank(run: Callable[[], int], parallel: Parallel) -> int:
+    """``run()``'s exit code; under torchrun the process then ends with ``os._exit``.
+
+    A gloo process group finalised by the interpreter can deadlock: the DDP reducer's destructor joins
+    gloo's worker thread while holding the GIL, and that thread may need the GIL to release the last
+    collective's tensors. A rank has nothing left to clean up once ``run`` returned (checkpoints are
+    fsynced, Redis writes acknowledged), so it flushes its logs and leaves without finalisers; a rank
+    that failed leaves with 1 the same way, its traceback logged.
+    """
+    if not parallel.distributed:
+        return run()
+    try:
+        rc = run()
+    except BaseException:
+        log.exception("rank=%d failed", parallel.rank)
+        rc = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def env_world_size(env: dict[str, str] | None = None) -> int:
@@ -137,14 +160,14 @@ class Parallel:
         """Accumulate without reducing gradients when ``skip`` (every micro-batch but the last)."""
         if not self.distributed or not skip:
             if self.mode == "fsdp" and self.distributed:
-                module.set_requires_gradient_sync(True)  # type: ignore[operator]
+                module.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDP2/DDP method via Module.__getattr__
             yield
             return
         if self.mode == "fsdp":
-            module.set_requires_gradient_sync(False)  # type: ignore[operator]
+            module.set_requires_gradient_sync(False)  # type: ignore[operator]  # FSDP2/DDP method via Module.__getattr__
             yield
             return
-        with module.no_sync():  # type: ignore[operator]
+        with module.no_sync():  # type: ignore[operator]  # FSDP2/DDP method via Module.__getattr__
             yield
 
     def full_state(self, model: torch.nn.Module,
@@ -161,7 +184,7 @@ class Parallel:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=opts)
         optim = get_optimizer_state_dict(model, optimizer, options=opts)
-        return weights, optim  # type: ignore[return-value]
+        return weights, optim
 
     def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         if not (self.distributed and self.mode == "fsdp"):
@@ -169,7 +192,7 @@ class Parallel:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,  # type: ignore[arg-type]
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                                  options=StateDictOptions(full_state_dict=True))
 
     # --- collectives ------------------------------------------------------------------------
@@ -210,7 +233,8 @@ class Parallel:
 
         out: list[Any] = [None]
         dist.scatter_object_list(out, cmds, src=0)
-        return out[0]  # type: ignore[no-any-return]
+        cmd: Command = out[0]
+        return cmd
 
     def close(self) -> None:
         if self.distributed:

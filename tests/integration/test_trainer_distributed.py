@@ -29,7 +29,7 @@ from trainer_factory import batch_fields, group, tiny_model, trainer_config, wri
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.follower import Follower
 from services.trainer.learner import Learner
-from services.trainer.parallel import Parallel, split_rows
+from services.trainer.parallel import Parallel, run_rank, split_rows
 from shared.config import TrainConfig
 from shared.keys import GROUP_TRAINER, Keys
 from shared.modeling import load_model
@@ -70,14 +70,18 @@ def _rank_main(rank: int, world: int, port: int, mode: str, model: str, micro: i
     torch.set_num_threads(1)
     parallel = Parallel.from_env("cpu", mode, 120)
     learner = Learner(load_model(model), train_cfg(micro), 0, parallel=parallel)
-    if not parallel.is_leader:
-        Follower(learner).run()
-        return
-    metrics = learner.train_step([uneven_batch()])
-    weights, _ = learner.export()
-    full = weights if weights is not None else learner.model.state_dict()
-    torch.save({"metrics": metrics, "weights": {k: v.detach().clone() for k, v in full.items()}}, out)
-    learner.close()
+
+    def body() -> int:
+        if not parallel.is_leader:
+            return Follower(learner).run()
+        metrics = learner.train_step([uneven_batch()])
+        weights, _ = learner.export()
+        full = weights if weights is not None else learner.model.state_dict()
+        torch.save({"metrics": metrics, "weights": {k: v.detach().clone() for k, v in full.items()}}, out)
+        learner.close()
+        return 0
+
+    run_rank(body, parallel)  # the trainer's own exit path (os._exit under torch.distributed)
 
 
 def one_process_step(model: Path, micro: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
