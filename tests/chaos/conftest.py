@@ -28,7 +28,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
     root = tmp_path_factory.mktemp("chaos-engine")
     port = free_port()
     cfg = root / "engine.yaml"
+    # The engine loads only checkpoints under train.checkpoint_dir (or its model): every cluster's
+    # checkpoints live under the session's base temp dir.
     cfg.write_text(yaml.safe_dump({"model": {"path": str(model_dir)},
+                                   "train": {"checkpoint_dir": str(tmp_path_factory.getbasetemp())},
                                    "engine": {"port": port, "num_threads": 1, "max_batch_size": 32,
                                               "max_queue": 100_000, "weight_version": "0"}}))
     log = root / "engine.log"

@@ -8,6 +8,7 @@ then ended on version 0, the collector dropped every group as stale and the data
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,10 @@ from shared.versionbus import read_latest
 # with keep_versions 2, so any dead letter here is the fault's doing.
 PACING = {"max_versions_ahead": 1}
 IN_FLIGHT = 2
-RECOVERY_BOUND_S = 60.0
+# Generous but real (docs/reliability.md): an engine restart took ~20 s at load 12 on the 2 shared cores
+# this was written on, over a minute at load 40; the soak uses the same bound.
+RECOVERY_BOUND_S = float(os.environ.get("CHAOS_RECOVERY_S", "150"))
+UP_S = 300.0  # pipeline start-up on a loaded machine
 
 
 def version(c: Cluster) -> int:
@@ -32,8 +36,8 @@ def test_engine_killed_once_training_resumes_and_dead_letters_do_not_grow(
         make_cluster: Callable[..., Cluster]) -> None:
     with make_cluster(rows=400, own_engine=True, overrides={"staleness": {"keep_versions": 2},
                                                                     "pacing": PACING}) as c:
-        c.start_pipeline(workers=2)
-        wait_until(lambda: version(c) >= 3, 120, "version 3 before the fault", c.explain)
+        c.start_pipeline(workers=2, up_timeout=UP_S)
+        wait_until(lambda: version(c) >= 3, UP_S, "version 3 before the fault", c.explain)
         dead_before = c.r.xlen(c.keys.dead)
         v_kill = version(c)
         c.kill("engine")
@@ -51,7 +55,7 @@ def test_engine_killed_once_training_resumes_and_dead_letters_do_not_grow(
         assert "held back from routing" in proxy_log and "routable again" in proxy_log, proxy_log[-3000:]
         c.assert_alive()
         assert c.terminate("prompt-buffer") == 0
-        c.wait_settled(expected=c.stats()["groups_produced"], timeout=120)
+        c.wait_settled(expected=c.stats()["groups_produced"], timeout=UP_S)
         h = c.verdict()
         assert h.ok, c.explain()
         assert not h.dead, h.dead  # not one group given up, for any reason
