@@ -69,7 +69,7 @@ def _hosts(netloc: str, scheme: str) -> tuple[str | None, list[tuple[str, int]]]
     return (unquote(user.split(":")[0]) if user else None), hosts
 
 
-class WaitingPipeline(Pipeline):
+class WaitingPipeline(Pipeline):  # type: ignore[misc]  # redis is followed as untyped (pyproject)
     """A pipeline whose MULTI/EXEC is followed by WAIT on the same connection."""
 
     wait_replicas = 0
@@ -88,7 +88,7 @@ class WaitingPipeline(Pipeline):
         return result
 
 
-class WaitingRedis(redis.Redis):
+class WaitingRedis(redis.Redis):  # type: ignore[misc]  # redis is followed as untyped (pyproject)
     """``redis.Redis`` whose transactions wait for replicas (class attributes set by ``connect``)."""
 
     pipeline_class: type[WaitingPipeline] = WaitingPipeline
@@ -98,8 +98,9 @@ class WaitingRedis(redis.Redis):
 
 
 def _waiting_class(replicas: int, timeout_ms: int) -> type[redis.Redis]:
+    plain: type[redis.Redis] = redis.Redis
     if replicas <= 0:
-        return redis.Redis
+        return plain
     pipe = type("WaitingPipelineN", (WaitingPipeline,), {"wait_replicas": replicas, "wait_timeout_ms": timeout_ms})
     return type("WaitingRedisN", (WaitingRedis,), {"pipeline_class": pipe})
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -27,11 +29,25 @@ from shared.redisproc import RedisProcess, find_redis_server, free_port
 SLOTS = 16384
 
 
-def _wait(pred: object, timeout: float, what: str) -> None:
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too and still a valid port."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def _wait(pred: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if pred():  # type: ignore[operator]
+            if pred():
                 return
         except redis.RedisError:
             pass
@@ -42,7 +58,7 @@ def _wait(pred: object, timeout: float, what: str) -> None:
 class LocalCluster:
     def __init__(self, primaries: int = 3, directory: str | Path | None = None) -> None:
         self.dir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="dressage-cluster-"))
-        self.nodes = [RedisProcess(self.dir / f"n{i}", appendonly=True,
+        self.nodes = [RedisProcess(self.dir / f"n{i}", port=cluster_port(), appendonly=True,
                                    extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                           "--cluster-node-timeout", "2000", "--appendfsync", "everysec"])
                       for i in range(primaries)]

@@ -103,11 +103,11 @@ class Sample(_Wire):
             self.__dict__[name] = values
             private["_packed"][name] = (values.copy(), raw)
             return values
-        return super().__getattr__(name)  # type: ignore[misc]
+        return super().__getattr__(name)  # type: ignore[misc]  # pydantic defines __getattr__ only when not TYPE_CHECKING
 
     def materialize(self) -> Sample:
         """Turn every lazily held array into its list (before copying or dumping the model)."""
-        lazy = self.__pydantic_private__["_lazy"]  # type: ignore[index]
+        lazy = self.__pydantic_private__["_lazy"]  # type: ignore[index]  # set: the model declares private attrs
         for name in list(lazy):
             getattr(self, name)
         return self
@@ -134,7 +134,7 @@ class Sample(_Wire):
 
     def field_len(self, name: str) -> int:
         """Length of a per-token field without materializing a lazy array."""
-        raw = self.__pydantic_private__["_lazy"].get(name)  # type: ignore[index]
+        raw = self.__pydantic_private__["_lazy"].get(name)  # type: ignore[index]  # set: the model declares private attrs
         return len(raw) // packed.ITEMSIZE[name] if raw is not None else len(getattr(self, name))
 
     def model_dump(self, **kwargs: Any) -> dict[str, Any]:
@@ -161,7 +161,7 @@ class Sample(_Wire):
         self.materialize(), other.materialize()
         return self.__dict__ == other.__dict__
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # mutable model with a value __eq__: unhashable, as pydantic's
 
     def check_aligned(self, check_mask: bool = True) -> None:
         """All per-token lists have one length, within bounds, and the mask is 0/1 (ValueError otherwise)."""
@@ -175,7 +175,7 @@ class Sample(_Wire):
             raise ValueError(f"token_versions: length {len(self.token_versions)} != len(token_ids) {n}")
         if check_mask and not _MASK_VALUES.issuperset(self.loss_mask):
             raise ValueError("loss_mask: every value must be 0 or 1")
-        raw = self.__pydantic_private__["_lazy"].get("logprobs")  # type: ignore[index]
+        raw = self.__pydantic_private__["_lazy"].get("logprobs")  # type: ignore[index]  # set: the model declares private attrs
         if raw is not None and not packed.finite_f32(raw):  # the list form is checked by pydantic (allow_inf_nan)
             raise ValueError("logprobs: NaN or infinite values are not allowed")
 

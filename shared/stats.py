@@ -56,6 +56,6 @@ def add_dead_letter(pipe: redis.client.Pipeline, keys: Keys, reason: str, error:
     """Queue, in ``pipe``'s MULTI: the ``{p}:dead`` entry (original bytes, ``error`` cut to
     ``MAX_ERROR_CHARS``) and, when ``counter`` is given, its ``{p}:stats`` increment."""
     letter = dead_letter_fields(reason, error[:MAX_ERROR_CHARS], source_stream, source_id, fields)
-    pipe.xadd(keys.dead, letter, maxlen=DEAD_MAXLEN, approximate=True)  # type: ignore[arg-type]  # redis stubs want a dict of unions
+    pipe.xadd(keys.dead, letter, maxlen=DEAD_MAXLEN, approximate=True)
     if counter is not None:
         pipe.hincrby(key(keys), counter, 1)

@@ -36,7 +36,8 @@ def report_metrics(r: redis.Redis, keys: Keys, service: str, metrics: Mapping[st
     for k, v in metrics.items():
         fields[k] = v if isinstance(v, str) else json.dumps(v)
     try:
-        return r.xadd(keys.metrics, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+        entry_id: bytes | None = r.xadd(keys.metrics, fields, maxlen=maxlen, approximate=True)
+        return entry_id
     except redis.RedisError as exc:  # metrics are best-effort; never fail the work for them
         log.warning("metrics report failed service=%s: %s", service, exc)
         return None

@@ -129,7 +129,7 @@ def published_versions(r: redis.Redis, keys: Keys, count: int | None = None) -> 
     entries = r.xrange(keys.weights_log, count=count) if count else r.xrange(keys.weights_log)
     out: list[str] = []
     for _, fields in entries:
-        v = fields.get(b"version") or fields.get("version")  # type: ignore[call-overload]
+        v = fields.get(b"version") or fields.get("version")
         if v is not None:
             out.append(v.decode() if isinstance(v, bytes) else str(v))
     return out

@@ -35,7 +35,9 @@ Outcome = Literal["batched", "reenqueued", "dead_lettered"]
 
 def outside_window(gaps: Iterable[int], keep_versions: int | None) -> bool:
     """True iff the window of ``keep_versions`` (0/None = off) excludes a trajectory of these gaps."""
-    return bool(keep_versions) and any(g >= keep_versions for g in gaps)  # type: ignore[operator]
+    if not keep_versions:
+        return False
+    return any(g >= keep_versions for g in gaps)
 
 
 class DecisionRecord(BaseModel):

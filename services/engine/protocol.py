@@ -415,7 +415,7 @@ def render(result: GenResult, item: Item, prompt_ids: list[int], text: str, late
             return [None if r is None else _entries(list(r), texts([t for _, t in r])) for r in rows]
 
         pairs = list(zip(result.output_logprobs, result.output_ids, strict=True))
-        meta["output_token_logprobs"] = _entries(pairs, texts(result.output_ids))  # type: ignore[arg-type]
+        meta["output_token_logprobs"] = _entries(pairs, texts(result.output_ids))  # type: ignore[arg-type]  # list invariance: float is float | None
         if result.input_logprobs is not None:
             ids = prompt_ids[item.logprob_start_len:]
             meta["input_token_logprobs"] = _entries(list(zip(result.input_logprobs, ids, strict=True)), texts(ids))

@@ -52,7 +52,8 @@ class ModelRunner:
             logits_to_keep=keep,
             **{self._cache_kw: cache},
         )
-        return out.logits
+        logits: torch.Tensor = out.logits
+        return logits
 
     def prefill(self, prompts: Sequence[Sequence[int]], logprob_rows: Sequence[int] = (),
                 dist_rows: Sequence[int] = ()) -> PrefillOut:

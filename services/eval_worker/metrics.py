@@ -33,6 +33,6 @@ class EvalWorkerCollector:
 
 def serve_metrics(worker: Any, port: int) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EvalWorkerCollector(worker))  # type: ignore[arg-type]
+    registry.register(EvalWorkerCollector(worker))
     start_http_server(port, addr="0.0.0.0", registry=registry)
     return registry

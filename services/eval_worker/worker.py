@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 SERVICE = "eval-worker"
 
 
-class AdmittedJob(Job):
+class AdmittedJob(Job):  # type: ignore[misc]  # rq is followed as untyped (pyproject)
     """An rq ``Job`` that resolves its function and callbacks only once the policy admitted it."""
 
     policy: JobPolicy | None = None  # set on the per-worker subclass (``job_class``)
@@ -71,7 +71,7 @@ def job_class_for(policy: JobPolicy) -> type[AdmittedJob]:
     return type("EvalJob", (AdmittedJob,), {"policy": policy})
 
 
-class EvalWorker(Worker):
+class EvalWorker(Worker):  # type: ignore[misc]  # rq is followed as untyped (pyproject)
     """``rq.Worker`` that also refreshes ``{p}:health:eval-worker:<name>`` on rq's heartbeat."""
 
     def __init__(self, *args: Any, beat: Heartbeat | None = None, **kwargs: Any) -> None:

@@ -76,7 +76,7 @@ class DecisionLog:
         try:
             pipe = self.r.pipeline(transaction=False)
             for rec in records:
-                pipe.xadd(self.key, rec.fields(), maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+                pipe.xadd(self.key, rec.fields(), maxlen=self.maxlen, approximate=True)
             pipe.execute()
         except redis.RedisError as exc:  # the decision is committed; only its record is lost
             log.warning("decision log append failed group_ids=%s: %s",

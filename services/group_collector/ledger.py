@@ -58,9 +58,9 @@ class Ledger:
 
     def _output(self, pipe: redis.client.Pipeline, action: Action) -> None:
         if isinstance(action, BatchOut):
-            pipe.xadd(self.keys.batches, encode_entry(action.batch))  # type: ignore[arg-type]
+            pipe.xadd(self.keys.batches, encode_entry(action.batch))
         elif isinstance(action, Reenqueue):
-            pipe.xadd(self.keys.prompts, encode_entry(action.prompt))  # type: ignore[arg-type]
+            pipe.xadd(self.keys.prompts, encode_entry(action.prompt))
         elif isinstance(action, DeadLetterOut):
             a = action.arrival  # its counters are the action's stats (below)
             stats.add_dead_letter(pipe, self.keys, action.reason, action.error, self.keys.rollouts, a.entry_id,

@@ -60,7 +60,7 @@ def _constraints(info: FieldInfo) -> str:
 
 def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
-        value: Any = info.default_factory()  # type: ignore[call-arg]
+        value: Any = info.default_factory()  # type: ignore[call-arg]  # pydantic allows a 1-arg factory; ours take none
     else:
         value = info.default
     if isinstance(value, BaseModel):
@@ -99,7 +99,7 @@ def render() -> str:
         "The retry budget is `DRESSAGE_ROLLOUT_MAX_RETRIES` (at most 1 + retries attempts per group).",
         "",
     ]
-    sections = [section_markdown(name, info.annotation)  # type: ignore[arg-type]
+    sections = [section_markdown(name, info.annotation)  # type: ignore[arg-type]  # every field is a Section class
                 for name, info in DressageConfig.model_fields.items()]
     return "\n".join(head) + "\n" + "\n\n".join(sections) + "\n"
 

@@ -61,7 +61,8 @@ def http_ok(url: str, timeout: float = 1.0) -> Callable[[], bool]:
     def probe() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback URL we built
-                return 200 <= resp.status < 300
+                status: int = resp.status
+                return 200 <= status < 300
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
@@ -104,7 +105,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         if threads is not None:  # torch reads these at import: intra-op threads of this process
             penv.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
-                           **kw)  # type: ignore[arg-type]
+                           **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
 
     specs = [
         proc("engine", TIER_ENGINE, ready=http_ok(f"http://{cfg.engine.host}:{c.engine_port}/health"),

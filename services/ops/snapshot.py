@@ -157,7 +157,7 @@ def _beats(r: redis.Redis, keys: Keys) -> list[Beat]:
 def _dead_reasons(r: redis.Redis, keys: Keys) -> Counter[str]:
     reasons: Counter[str] = Counter()
     for _, fields in r.xrevrange(keys.dead, count=DEAD_SCAN):
-        reasons[text(fields.get(b"reason") or fields.get("reason") or "unknown")] += 1  # type: ignore[call-overload]
+        reasons[text(fields.get(b"reason") or fields.get("reason") or "unknown")] += 1
     return reasons
 
 

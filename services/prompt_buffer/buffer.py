@@ -149,7 +149,7 @@ class PromptBuffer:
                     groups = [prompt_group(self.rows[i], e, i, self.cfg.n_samples, now) for e, i in items]
                     pipe.multi()
                     for g in groups:
-                        pipe.xadd(self.keys.prompts, encode_entry(g))  # type: ignore[arg-type]
+                        pipe.xadd(self.keys.prompts, encode_entry(g))
                     pipe.hincrby(self.stats_key, stats.GROUPS_PRODUCED, len(groups))
                     pipe.hset(self.cursor_key, mapping={"epoch": after.epoch, "position": after.position,
                                                         "rows": self.schedule.n_rows})

@@ -98,7 +98,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
     """The ASGI app over a runtime (config, tokenizer, engine client, controller, sessions)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await rt.start()
         try:
             yield

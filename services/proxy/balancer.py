@@ -62,7 +62,7 @@ class Balancer:
         sticky = self._sticky.get(session_id)
         if sticky in routable:
             ranked.remove(sticky)
-            ranked.insert(0, sticky)  # type: ignore[arg-type]
+            ranked.insert(0, sticky)
         return ranked
 
     def started(self, url: str) -> None:

@@ -106,7 +106,7 @@ class WindowController:
                   "reason": d.reason, "logprob_diff": _opt(s.logprob_diff), "wait_fraction": _opt(s.wait_fraction),
                   "drop_rate": _opt(s.drop_rate), "trainer_steps": str(s.steps), "floor": str(d.state.floor),
                   "target_logprob_diff": f"{self.cfg.target_logprob_diff:.6g}", "at": f"{time.time():.3f}"}
-        self.r.xadd(decisions_key(self.keys), fields, maxlen=DECISIONS_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        self.r.xadd(decisions_key(self.keys), fields, maxlen=DECISIONS_MAXLEN, approximate=True)
         report_metrics(self.r, self.keys, SERVICE, {"window_controller/keep_versions": d.after,
                                                     "window_controller/changed": int(d.changed),
                                                     "window_controller/proposal": d.proposal})

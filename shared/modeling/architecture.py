@@ -117,7 +117,8 @@ def build_model(
     model.generation_config.pad_token_id = pad_token_id
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.bos_token_id = None
-    return model.eval()
+    model.eval()
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -110,7 +110,7 @@ def _split_rows(task: Any, options: WarmStartOptions, seed: int) -> tuple[list[d
 
 def _write_dir(model: PreTrainedModel, tok: PreTrainedTokenizerBase, info: dict[str, Any], tmp: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
-    save_tokenizer(tok, tmp)  # type: ignore[arg-type]
+    save_tokenizer(tok, tmp)  # type: ignore[arg-type]  # every tokenizer built here is a fast one
     make_loadable(tmp)  # config.json too: transformers 4.5x (SGLang's pin) must read it
     (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     missing = missing_files(tmp)
