@@ -310,8 +310,10 @@ class Cluster:
             elif p.service == "engine":
                 self.wait_http(f"http://127.0.0.1:{self.engine_port}/health", p, timeout)
             elif p.service in HEALTH:
-                wait_until(lambda p=p: self.r.exists(self.keys.health(HEALTH[p.service], p.name)) or not p.alive(),
-                           timeout, f"{p.name} heartbeat", p.tail)
+                def beating(p: Proc = p) -> bool:
+                    return bool(self.r.exists(self.keys.health(HEALTH[p.service], p.name))) or not p.alive()
+
+                wait_until(beating, timeout, f"{p.name} heartbeat", p.tail)
                 assert p.alive(), f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}"
 
     def wait_http(self, url: str, proc: Proc | None, timeout: float = 90) -> None:
