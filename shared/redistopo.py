@@ -68,6 +68,14 @@ class LocalCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
+        """Start and join the nodes; on any failure everything started is stopped again."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _start(self, timeout: float) -> LocalCluster:
         for n in self.nodes:
             n.start()
         clients = [redis.Redis(port=n.port) for n in self.nodes]
@@ -105,6 +113,14 @@ class LocalSentinels:
         return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{self.service}"
 
     def start(self, timeout: float = 30.0) -> LocalSentinels:
+        """Start primary, replica and sentinels; on any failure everything started is stopped again."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _start(self, timeout: float) -> LocalSentinels:
         self.primary.start()
         self.replica.extra += ["--replicaof", "127.0.0.1", str(self.primary.port)]
         self.replica.start()
