@@ -60,15 +60,16 @@ class Deployment(Cluster):
     def stats(self) -> dict[str, int]:
         return self._riding(super().stats)
 
-    def start_pipeline(self, workers: int = 2, proxy: bool = True, trainer: bool = True) -> None:
+    def start_pipeline(self, workers: int = 2, proxy: bool = True, trainer: bool = True,
+                       up_timeout: float = 300) -> None:
         """The harness's start order, with start-up waits for a machine shared with other test runs."""
         for svc, name in (("proxy", "proxy"), ("trainer", "trainer"), ("group-collector", "collector"),
                           ("prompt-buffer", "prompt-buffer")):
             self.start(svc, name)
-        self.wait_up("proxy", timeout=300)
+        self.wait_up("proxy", timeout=up_timeout)
         for i in range(1, workers + 1):
             self.start("rollout-worker", f"w{i}")
-        self.wait_up(*self.procs, timeout=300)
+        self.wait_up(*self.procs, timeout=up_timeout)
 
     def verdict(self, allow_trimmed: bool = False) -> Any:
         return self._riding(lambda: super(Deployment, self).verdict(allow_trimmed))
