@@ -54,6 +54,7 @@ def wait_for(predicate: object, timeout: float, proc: subprocess.Popen[bytes], l
     raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.timeout(1800)  # five bounded `dressage up` runs: ~5 min at load 12 on 2 cores, far more at 40
 def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path: Path, model_dir: Path) -> None:
     spec, out, log = tiny_spec(tmp_path, model_dir), tmp_path / "experiments", tmp_path / "runner.log"
     root = out / "tiny"
