@@ -9,10 +9,11 @@ time-decomposition tables, then as its last line::
 
 R is sync's mean trainer wall-clock to K steps over async's (the baseline is measured in the same
 run); S is sync's wall-clock to its final step over the time async first published a model at least
-as accurate as sync's mean final eval accuracy. Finished runs are reused: ``--fresh`` deletes the
-experiment folder first (what a new measurement needs); ``--full`` runs the whole spec instead.
+as accurate as sync's mean final eval accuracy. Every call measures anew (the experiment folder is
+deleted first); ``--resume`` instead keeps the runs an interrupted call finished; ``--full`` runs the
+whole spec instead of its quick preset.
 
-    python bench/async_speedup.py [--fresh] [--full] [--jobs 1]
+    python bench/async_speedup.py [--resume] [--full] [--jobs 1]
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def prepare(spec_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--fresh", action="store_true", help="delete earlier runs of this experiment first")
+    p.add_argument("--resume", action="store_true", help="keep the runs an earlier, interrupted call finished")
     p.add_argument("--full", action="store_true", help="the whole spec instead of its quick preset")
     p.add_argument("--jobs", type=int, default=1)
     args = p.parse_args(argv)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = not args.full
     spec = load_spec(SPEC, quick=quick)
     folder = ROOT / OUT / spec.name
-    if args.fresh and folder.exists():
+    if not args.resume and folder.exists():
         shutil.rmtree(folder)
     prepare(SPEC)
     cmd = [sys.executable, "-m", "services", "experiment", SPEC, "--out", OUT, "--jobs", str(args.jobs)]
