@@ -86,7 +86,9 @@ def start_engine(root: Path, max_batch_size: int = 16, second_checkpoint: bool =
         m.save_pretrained(second, safe_serialization=True)
     port = free_port()
     env = {**os.environ, "DRESSAGE_ENGINE_NUM_THREADS": "1", "DRESSAGE_ENGINE_MAX_NEW_TOKENS_LIMIT": "1800",
-           "DRESSAGE_ENGINE_MAX_BATCH_SIZE": str(max_batch_size)}
+           "DRESSAGE_ENGINE_MAX_BATCH_SIZE": str(max_batch_size),
+           # The engine loads weights only from under its checkpoint root (or its own model dir).
+           "DRESSAGE_TRAIN_CHECKPOINT_DIR": str(root)}
     log_path = root / "engine.log"
     proc = subprocess.Popen([sys.executable, "-m", "services.engine", "--model-path", str(model_dir),
                              "--port", str(port), "--weight-version", "a"], cwd=REPO, env=env,
