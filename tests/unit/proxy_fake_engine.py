@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.proxy.transport import HttpxTransport
@@ -44,7 +44,7 @@ class FakeEngine:
             Route("/get_weight_version", self.get_version, methods=["GET"]),
         ])
 
-    async def generate(self, request: Request) -> JSONResponse:
+    async def generate(self, request: Request) -> Response:
         body = await request.json()
         self.generate_bodies.append(body)
         rid = body["rid"]
@@ -53,7 +53,7 @@ class FakeEngine:
         if body.get("stream"):
             return StreamingResponse(self._sse(body), media_type="text/event-stream")
         meta: dict[str, Any] = {}
-        async for meta in self._run(body):
+        async for meta in self._run(body):  # noqa: B007  # the last item is the result
             pass
         return JSONResponse({"text": "", "output_ids": meta["output_ids"], "meta_info": meta["meta_info"]})
 

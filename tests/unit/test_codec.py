@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -145,7 +147,7 @@ def test_structured_garbage_only_ever_raises_malformed_entry(body: dict) -> None
             pass
 
 
-def v1_entry(kind: str, body: dict[str, object], **plain: str) -> dict[bytes, bytes]:
+def v1_entry(kind: str, body: Mapping[str, object], **plain: str) -> dict[bytes, bytes]:
     """An entry as a schema-1 producer wrote it (plain fields + msgpack body)."""
     fields = {b"schema": b"1", b"kind": kind.encode(), **{k.encode(): v.encode() for k, v in plain.items()}}
     fields[b"body"] = msgpack.packb(body, use_bin_type=True)

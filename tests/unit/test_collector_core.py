@@ -226,13 +226,14 @@ def test_a_rejected_batch_discards_the_done_member_and_requeues_the_rest_in_fron
     assert [(type(a).__name__, a.arrivals[0].group.group_id) for a in actions] == [("Discard", "g0")]
     assert [a.group.group_id for a in c.waiting] == ["g1", "g2"]
     [again] = c.assemble(1, "0")
-    assert [g.group_id for g in again.batch.groups] == ["g1", "g2"]
+    assert isinstance(again, BatchOut) and [g.group_id for g in again.batch.groups] == ["g1", "g2"]
 
 
 def test_forget_returns_batch_members_to_the_front() -> None:
     c = core(per_batch=2)
     c.on_arrivals([arrive(rollout_group(f"g{i}", ["0"])) for i in range(3)])
     [batch] = c.assemble(1, "0")
+    assert isinstance(batch, BatchOut)
     c.forget(batch)
     assert [a.group.group_id for a in c.waiting] == ["g0", "g1", "g2"]
     assert c.on_arrivals([batch.members[0]]) == []  # re-delivery of a forgotten member is not a duplicate
@@ -264,6 +265,7 @@ def test_batch_metrics_report_gaps_spans_and_time_split() -> None:
     c.on_published(["0", "1", "2"])
     c.on_arrivals([arrive(rollout_group("a", ["0", "2"])), arrive(rollout_group("b", ["1"]))])
     [batch] = c.assemble(1, "2")
+    assert isinstance(batch, BatchOut)
     m = batch.metrics
     assert (m["staleness/version_gap_min"], m["staleness/version_gap_max"]) == (0.0, 2.0)
     assert m["staleness/version_gap_mean"] == 1.0

@@ -38,7 +38,12 @@ def test_outage_waits_a_growing_capped_delay_recovers_and_resets_after_success()
     stop = StopFlag()
     loop = ConsumerLoop("t", stop, burst=True, backoff_max_s=0.4)
     waits: list[float] = []
-    stop.wait = lambda timeout=None: waits.append(timeout or 0.0) or False  # type: ignore[method-assign]  # record, don't sleep
+
+    def record(timeout: float | None = None) -> bool:  # record the delay instead of sleeping it
+        waits.append(timeout or 0.0)
+        return False
+
+    stop.wait = record  # type: ignore[method-assign]  # a test double for the wait
     outcomes: list[object] = [redis.ConnectionError("down"), redis.TimeoutError("slow"), redis.ConnectionError("x"),
                               redis.ConnectionError("y"), True, redis.ConnectionError("z"), False]
     recovered: list[int] = []
@@ -81,5 +86,10 @@ def test_other_errors_propagate_and_done_ends_the_loop() -> None:
     with pytest.raises(ValueError):
         loop.run(lambda: (_ for _ in ()).throw(ValueError("bug")))
     count: list[int] = []
-    loop.run(lambda: count.append(1) is None, done=lambda: len(count) >= 3)
+
+    def step() -> bool:
+        count.append(1)
+        return True
+
+    loop.run(step, done=lambda: len(count) >= 3)
     assert len(count) == 3

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from services.engine.requests import DuplicateRequest, EngineBusy, GenRequest, GenResult, InvalidRequest
 from services.engine.runner import ModelRunner
@@ -20,13 +22,13 @@ GREEDY = SamplingSpec(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+def model() -> PreTrainedModel:
     spec = ModelSpec(hidden_size=64, intermediate_size=128, max_position_embeddings=128)
     return build_model(spec, vocab_size=VOCAB, pad_token_id=0, eos_token_id=EOS, seed=1)
 
 
 @pytest.fixture
-def sched(model: torch.nn.Module) -> Scheduler:
+def sched(model: PreTrainedModel) -> Scheduler:
     return Scheduler(ModelRunner(model), weight_version="0", max_batch_size=4, max_queue=8, admit_wait_s=0.0)
 
 
@@ -47,25 +49,34 @@ def req(rid: str, ids: list[int], n: int = 12, sampling: SamplingSpec = GREEDY,
                       stop_token_ids=stops, logprob_start_len=logprob_start_len)
 
 
+def recorder(got: Collector, event: threading.Event, n: int = 1) -> Callable[[GenResult], None]:
+    """A submit callback: collect the result, set ``event`` once ``n`` results are in."""
+    def on_result(r: GenResult) -> None:
+        got(r)
+        if len(got) >= n:
+            event.set()
+    return on_result
+
+
 def run_all(s: Scheduler) -> None:
     while s.step():
         s.batch.check()
 
 
-def reference(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+def reference(model: PreTrainedModel, ids: list[int], n: int) -> list[int]:
     x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,  # type: ignore[operator]  # GenerationMixin, mixed into the concrete class
                          eos_token_id=EOS, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
-def direct_logprobs(model: torch.nn.Module, ids: list[int], out: list[int]) -> list[float]:
+def direct_logprobs(model: PreTrainedModel, ids: list[int], out: list[int]) -> list[float]:
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([ids + out])).logits[0].float(), -1)
     return [lp[len(ids) - 1 + j, t].item() for j, t in enumerate(out)]
 
 
-def test_staggered_greedy_batch_equals_one_by_one_generate(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_staggered_greedy_batch_equals_one_by_one_generate(model: PreTrainedModel, sched: Scheduler) -> None:
     got, ps = Collector(), prompts(10)
     lengths = [12 + 2 * i for i in range(10)]
     for i in range(10):  # more requests than max_batch_size, joining between decode steps
@@ -89,7 +100,7 @@ def test_rows_are_decoded_together_not_one_after_another(sched: Scheduler) -> No
     assert sched.stats["generated_tokens"] == 40
 
 
-def test_abort_running_returns_partial_tokens_and_others_continue(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_abort_running_returns_partial_tokens_and_others_continue(model: PreTrainedModel, sched: Scheduler) -> None:
     got, ps = Collector(), prompts(3, seed=5)
     for i in range(3):
         sched.submit(req(str(i), ps[i], 20, stops=frozenset()), got)
@@ -118,7 +129,7 @@ def test_burst_stepping_drains_more_requests_than_the_batch_holds(sched: Schedul
     assert sorted(got) == [str(i) for i in range(7)] and sched.counts()["waiting"] == 0
 
 
-def test_a_trickle_of_joiners_waits_briefly_to_share_one_prefill(model: torch.nn.Module) -> None:
+def test_a_trickle_of_joiners_waits_briefly_to_share_one_prefill(model: PreTrainedModel) -> None:
     sched = Scheduler(ModelRunner(model), max_batch_size=4, admit_wait_s=60.0)
     got = Collector()
     sched.submit(req("first", [4, 5], 20, stops=frozenset()), got)
@@ -150,7 +161,7 @@ def test_abort_waiting_request_returns_no_tokens(sched: Scheduler) -> None:
     assert got["a"].finish_reason["type"] in ("stop", "length")
 
 
-def swap_setup(model: torch.nn.Module) -> tuple[ModelRunner, Scheduler, dict[str, torch.Tensor],
+def swap_setup(model: PreTrainedModel) -> tuple[ModelRunner, Scheduler, dict[str, torch.Tensor],
                                                  dict[str, torch.Tensor]]:
     """A scheduler on `model`, its weights now, and perturbed weights to swap in."""
     runner = ModelRunner(model)
@@ -160,7 +171,7 @@ def swap_setup(model: torch.nn.Module) -> tuple[ModelRunner, Scheduler, dict[str
     return runner, Scheduler(runner, weight_version="0"), original, perturbed
 
 
-def test_weight_swap_while_paused_applies_at_once(model: torch.nn.Module) -> None:
+def test_weight_swap_while_paused_applies_at_once(model: PreTrainedModel) -> None:
     runner, sched, original, perturbed = swap_setup(model)
     got = Collector()
     try:
@@ -177,7 +188,7 @@ def test_weight_swap_while_paused_applies_at_once(model: torch.nn.Module) -> Non
     assert set(got["p"].output_versions) == {"0", "1"}
 
 
-def test_weight_swap_waits_for_pinned_requests_and_holds_new_ones(model: torch.nn.Module) -> None:
+def test_weight_swap_waits_for_pinned_requests_and_holds_new_ones(model: PreTrainedModel) -> None:
     """SGLang's default: in-flight requests finish on the old weights; newcomers wait for the swap."""
     runner, sched, original, perturbed = swap_setup(model)
     got = Collector()
@@ -199,7 +210,7 @@ def test_weight_swap_waits_for_pinned_requests_and_holds_new_ones(model: torch.n
     assert got["old"].output_ids == reference(model, [4, 5, 6], 10)  # old weights only
 
 
-def test_opted_in_request_runs_across_a_swap_with_per_token_versions(model: torch.nn.Module) -> None:
+def test_opted_in_request_runs_across_a_swap_with_per_token_versions(model: PreTrainedModel) -> None:
     runner, sched, original, perturbed = swap_setup(model)
     got = Collector()
     try:
@@ -222,7 +233,7 @@ def test_opted_in_request_runs_across_a_swap_with_per_token_versions(model: torc
     assert all(abs(a - b) > 1e-4 for a, b in zip(old[4:], r.output_logprobs[4:], strict=True))
 
 
-def test_swap_with_abort_all_aborts_in_flight_first(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_swap_with_abort_all_aborts_in_flight_first(model: PreTrainedModel, sched: Scheduler) -> None:
     got = Collector()
     sched.submit(req("r", [4, 5, 6], 10, stops=frozenset()), got)
     sched.step()
@@ -232,7 +243,7 @@ def test_swap_with_abort_all_aborts_in_flight_first(model: torch.nn.Module, sche
     assert got["r"].finish_reason["type"] == "abort" and got["r"].output_versions == ["0", "0"]
 
 
-def test_stop_token_ends_generation_and_is_included(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_stop_token_ends_generation_and_is_included(model: PreTrainedModel, sched: Scheduler) -> None:
     ids = [7, 8, 9, 10]
     free = reference(model, ids, 12)
     stop = free[5]
@@ -244,7 +255,7 @@ def test_stop_token_ends_generation_and_is_included(model: torch.nn.Module, sche
     assert got["s"].finish_reason == {"type": "stop", "matched": stop}
 
 
-def test_length_limit_and_context_clamp(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_length_limit_and_context_clamp(model: PreTrainedModel, sched: Scheduler) -> None:
     got = Collector()
     sched.submit(req("short", [4, 5], 3, stops=frozenset()), got)
     sched.submit(req("edge", [4] * 120, 50, stops=frozenset()), got)  # context is 128
@@ -253,7 +264,7 @@ def test_length_limit_and_context_clamp(model: torch.nn.Module, sched: Scheduler
     assert len(got["edge"].output_ids) == 8 and got["edge"].finish_reason["type"] == "length"
 
 
-def test_zero_new_tokens_returns_prompt_logprobs_only(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_zero_new_tokens_returns_prompt_logprobs_only(model: PreTrainedModel, sched: Scheduler) -> None:
     got, ids = Collector(), [4, 9, 13, 21, 30]
     sched.submit(req("z", ids, 0, logprob_start_len=1), got)
     run_all(sched)
@@ -305,7 +316,7 @@ def test_pause_abort_mode_aborts_all_and_holds_new_requests(sched: Scheduler) ->
     assert len(got["later"].output_ids) == 3
 
 
-def test_pause_in_place_keeps_requests_and_their_cache(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_pause_in_place_keeps_requests_and_their_cache(model: PreTrainedModel, sched: Scheduler) -> None:
     got, ids = Collector(), [11, 12, 13]
     sched.submit(req("p", ids, 15), got)
     sched.step()
@@ -345,14 +356,14 @@ def test_seeded_generation_resumed_from_its_prefix_continues_the_same_tokens(sch
     assert got["resumed"].output_ids == whole[6:]
 
 
-def test_thread_mode_serves_concurrent_submitters_and_stop_aborts_leftovers(model: torch.nn.Module) -> None:
+def test_thread_mode_serves_concurrent_submitters_and_stop_aborts_leftovers(model: PreTrainedModel) -> None:
     sched = Scheduler(ModelRunner(model), max_batch_size=8)
     got, done = Collector(), threading.Event()
     sched.start()
     try:
         ps = prompts(6, seed=3)
         for i, p in enumerate(ps):
-            sched.submit(req(str(i), p, 8), lambda r: (got(r), len(got) == 6 and done.set()))
+            sched.submit(req(str(i), p, 8), recorder(got, done, 6))
         assert done.wait(20)
         for i, p in enumerate(ps):
             assert got[str(i)].output_ids == reference(model, p, 8)
@@ -366,7 +377,7 @@ def test_thread_mode_serves_concurrent_submitters_and_stop_aborts_leftovers(mode
         sched.submit(req("after", [4, 5], 2), Collector())
 
 
-def test_a_failing_forward_aborts_its_rows_and_the_loop_goes_on(model: torch.nn.Module) -> None:
+def test_a_failing_forward_aborts_its_rows_and_the_loop_goes_on(model: PreTrainedModel) -> None:
     runner = ModelRunner(model)
     sched = Scheduler(runner)
     real_decode, calls = runner.decode, {"n": 0}
@@ -381,10 +392,10 @@ def test_a_failing_forward_aborts_its_rows_and_the_loop_goes_on(model: torch.nn.
     got, ok = Collector(), threading.Event()
     sched.start()
     try:
-        sched.submit(req("a", [4, 5], 10, stops=frozenset()), lambda r: (got(r), ok.set()))
+        sched.submit(req("a", [4, 5], 10, stops=frozenset()), recorder(got, ok))
         assert ok.wait(10)
         ok.clear()
-        sched.submit(req("b", [4, 5], 4, stops=frozenset()), lambda r: (got(r), ok.set()))
+        sched.submit(req("b", [4, 5], 4, stops=frozenset()), recorder(got, ok))
         assert ok.wait(10)
     finally:
         sched.stop()
@@ -392,7 +403,7 @@ def test_a_failing_forward_aborts_its_rows_and_the_loop_goes_on(model: torch.nn.
     assert len(got["b"].output_ids) == 4
 
 
-def test_a_failing_prefill_fails_only_its_joiners(model: torch.nn.Module, sched: Scheduler) -> None:
+def test_a_failing_prefill_fails_only_its_joiners(model: PreTrainedModel, sched: Scheduler) -> None:
     got = Collector()
     sched.submit(req("running", [4, 5], 8, stops=frozenset()), got)
     sched.step()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedModel
 
 from services.engine.kv import PaddedKV
 from services.engine.runner import ModelRunner
@@ -17,19 +18,19 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+def model() -> PreTrainedModel:
     spec = ModelSpec(hidden_size=32, intermediate_size=64, max_position_embeddings=64)
     return build_model(spec, vocab_size=40, pad_token_id=0, eos_token_id=2, seed=0)
 
 
-def test_saved_checkpoint_reads_back_and_passes_the_check(model: torch.nn.Module, tmp_path: Path) -> None:
+def test_saved_checkpoint_reads_back_and_passes_the_check(model: PreTrainedModel, tmp_path: Path) -> None:
     model.save_pretrained(tmp_path, safe_serialization=True)
     state = read_checkpoint(tmp_path)
     assert "lm_head.weight" not in state  # tied to the embedding: absent on disk, still accepted
     check_state(model, state)
 
 
-def test_check_names_the_offending_tensor(model: torch.nn.Module) -> None:
+def test_check_names_the_offending_tensor(model: PreTrainedModel) -> None:
     good = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     name = "model.layers.0.mlp.up_proj.weight"
     with pytest.raises(WeightLoadError, match=name):
@@ -56,7 +57,7 @@ def test_sharded_checkpoints_are_merged(tmp_path: Path) -> None:
     assert sorted(read_checkpoint(tmp_path)) == ["a", "b"]
 
 
-def test_kv_join_and_leave_keep_the_left_padded_layout(model: torch.nn.Module) -> None:
+def test_kv_join_and_leave_keep_the_left_padded_layout(model: PreTrainedModel) -> None:
     runner = ModelRunner(model)
     a = runner.prefill([[5, 6, 7], [8, 9]]).kv
     b = runner.prefill([[5, 6, 7, 8, 9, 10]]).kv
@@ -72,7 +73,7 @@ def test_kv_join_and_leave_keep_the_left_padded_layout(model: torch.nn.Module) -
     assert kv.width == 3 and kv.mask.tolist() == [[1, 1, 1]]
 
 
-def test_padded_rows_give_the_same_logits_as_alone(model: torch.nn.Module) -> None:
+def test_padded_rows_give_the_same_logits_as_alone(model: PreTrainedModel) -> None:
     runner = ModelRunner(model)
     alone = runner.prefill([[8, 9]])
     together = runner.prefill([[5, 6, 7, 1, 3], [8, 9]])

@@ -141,7 +141,7 @@ def test_a_dead_lettered_batch_dead_letters_each_of_its_groups(r: fakeredis.Fake
 
 
 def test_recorded_entries_that_redis_lost_are_missing_and_their_groups_lost(r: fakeredis.FakeRedis) -> None:
-    h, cursors = History(), {}
+    h, cursors = History(), dict[str, str]()
     enqueue(r, "g1")
     enqueue(r, "g2", consume=False)
     assert poll(r, K, h, cursors) == 2
@@ -170,7 +170,7 @@ def test_cli_exit_code_says_whether_the_law_holds(r: fakeredis.FakeRedis, monkey
 
 
 def test_a_trimmed_prefix_is_missing_unless_trimming_is_allowed(r: fakeredis.FakeRedis) -> None:
-    h, cursors = History(), {}
+    h, cursors = History(), dict[str, str]()
     enqueue(r, "g1")
     second = enqueue(r, "g2")
     enqueue(r, "g3")
@@ -181,7 +181,7 @@ def test_a_trimmed_prefix_is_missing_unless_trimming_is_allowed(r: fakeredis.Fak
 
 
 def test_entries_gone_from_the_middle_or_undelivered_are_missing_even_with_trimming(r: fakeredis.FakeRedis) -> None:
-    h, cursors = History(), {}
+    h, cursors = History(), dict[str, str]()
     enqueue(r, "g1")
     middle = enqueue(r, "g2")
     enqueue(r, "g3")

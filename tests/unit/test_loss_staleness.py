@@ -74,7 +74,7 @@ def test_naive_loss_ignores_the_behaviour_policy_and_never_clips() -> None:
     naive = policy_loss(logp, rollout, torch.tensor([1.0]), t([0.0, 1.0]), 1, LossConfig(naive=True))
     assert float(naive.loss.detach()) == pytest.approx(-1.0) and naive.sums["clip_frac"] == 0.0  # -A, whatever the ratio
     naive.loss.backward()
-    assert float(logp.grad[0, 1]) == pytest.approx(-1.0)  # -A * d logp
+    assert logp.grad is not None and float(logp.grad[0, 1]) == pytest.approx(-1.0)  # -A * d logp
     other = policy_loss(logp.detach(), t([0.0, -9.0]), torch.tensor([1.0]), t([0.0, 1.0]), 1, LossConfig(naive=True))
     assert float(other.loss) == float(naive.loss.detach())  # the behaviour logprobs play no part
 

@@ -51,7 +51,7 @@ def test_multi_turn_demonstration_becomes_one_sequence_with_loss_on_every_reply(
     (ex,) = demonstration_examples(task, [row], tok)
     loss_text = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m])
     assert loss_text == "".join(f"{reply}<|im_end|>" for _, reply in turns)
-    assert tok.decode(ex.input_ids).startswith("<|im_start|>user\n" + row["prompt"])
+    assert str(tok.decode(ex.input_ids)).startswith("<|im_start|>user\n" + row["prompt"])
 
 
 def test_warm_start_improves_reward_over_random_init() -> None:

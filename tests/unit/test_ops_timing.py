@@ -124,7 +124,8 @@ def test_cpu_seconds_from_proc_stat_and_replicas_summed(tmp_path: Path) -> None:
 
 
 def test_cores_used_per_service_over_the_loop() -> None:
-    extra = [{**r, "cpu/engine_s": 5.0 + (r["ts"] - 1000.0) * 0.5, "cpu/trainer_s": 1.0 + (r["ts"] - 1000.0) * 0.8}
+    extra = [{**r, "cpu/engine_s": 5.0 + (float(r["ts"]) - 1000.0) * 0.5,  # type: ignore[arg-type]  # ts is a float
+              "cpu/trainer_s": 1.0 + (float(r["ts"]) - 1000.0) * 0.8}  # type: ignore[arg-type]  # ts is a float
              if r["service"] == "ops" else r for r in rows()]
     split = decompose(extra)
     assert split.cores == {"engine": pytest.approx(0.5), "trainer": pytest.approx(0.8)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -198,7 +199,7 @@ def test_sticky_routing_and_failover_when_the_first_engine_refuses_connections()
     assert firsts == {s: ctl.client.route(s)[0] for s in sessions}  # stable
     assert set(firsts.values()) == {E1, E2}  # both engines get sessions
     for s in sessions:
-        gen = run(lambda s=s: ctl.generate(s, [], [1], 2, SAMPLING, partial=True))
+        gen = run(functools.partial(ctl.generate, s, [], [1], 2, SAMPLING, partial=True))
         assert len(gen.output_ids) == 2  # sessions homed on the dead engine moved to the live one
     assert len(e2.generate_bodies) == len(sessions)
 

@@ -15,7 +15,7 @@ from services.proxy.runtime import ProxyRuntime
 
 EOS = int(TOKENIZER.eos_token_id)
 MSG = [{"role": "user", "content": "code of qzt?"}]
-TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a key up",
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "lookup", "description": "look a key up",
                                            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "qzt"}}\n</tool_call>'
 
