@@ -107,6 +107,11 @@ class Progress:
             self.out.flush()
             self._last_plain = time.monotonic()
 
+    def sample_now(self) -> None:
+        """A stats snapshot with the probes now: after the last step, while the services still answer."""
+        self._last_stats = 0.0
+        self.tick()
+
     def finish(self) -> None:
         """Final pull and stats snapshot (forced), and end the in-place line."""
         self._last_stats = self._last_plain = 0.0

@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                          policy=RestartPolicy(max_restarts=cfg.ops.restart_max))
         probe.pids = sup.pids  # CPU seconds per service in every stats snapshot
         def finish_evaluation(res: RunResult) -> None:
+            progress.sample_now()  # the engine's and proxy's clocks at the end of the trainer loop
             if res.outcome == "finished" and cfg.eval.every_versions > 0 and not stop.is_set:
                 sup.stop(min_tier=TIER_SOURCE)  # no new rollouts; the eval worker keeps going
                 wait_final_eval(progress, cfg.eval.every_versions, FINAL_EVAL_WAIT_S, lambda: stop.is_set)
