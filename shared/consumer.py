@@ -30,11 +30,11 @@ TRANSIENT = (redis.ConnectionError, redis.TimeoutError)  # what an outage looks 
 
 
 class ConsumerLoop:
-    def __init__(self, name: str, stop: StopFlag, *, burst: bool, backoff_max_s: float) -> None:
-        self.name, self.stop, self.burst = name, stop, burst
+    def __init__(self, name: str, stop: StopFlag, *, backoff_max_s: float) -> None:
+        self.name, self.stop = name, stop
         self.backoff = Backoff(max_s=backoff_max_s)
 
-    def run(self, step: Callable[[], bool], *, idle: Callable[[], object] | None = None,
+    def run(self, step: Callable[[], bool], *, burst: bool, idle: Callable[[], object] | None = None,
             recover: Callable[[], None] | None = None, done: Callable[[], bool] | None = None) -> None:
         while not self.stop.is_set and not (done is not None and done()):
             try:
@@ -50,7 +50,7 @@ class ConsumerLoop:
                 continue
             if more:
                 continue
-            if self.burst:
+            if burst:
                 return
             if idle is not None:
                 idle()

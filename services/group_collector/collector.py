@@ -71,7 +71,7 @@ class GroupCollector:
         self.r, self.keys, self.core, self.consumer = r, keys, core, consumer
         self.cfg, self.staleness, self.burst = cfg, staleness, burst
         self.stop, self.gauges = stop or StopFlag(), gauges
-        self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
+        self.loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=backoff_max_s)
         self.ledger = Ledger(r, keys)
         self.decisions = DecisionLog(r, keys)
         self.reader = GroupReader(r, keys.rollouts, GROUP_COLLECTOR, consumer)
@@ -240,7 +240,7 @@ class GroupCollector:
         if not self.burst:
             watcher.start()
         try:
-            self.loop.run(lambda: self.step(None if self.burst else self.cfg.block_ms) > 0,
+            self.loop.run(lambda: self.step(None if self.burst else self.cfg.block_ms) > 0, burst=self.burst,
                           recover=self.reader.reset)  # re-read our pending entries after reconnecting
         finally:
             watcher.stop()

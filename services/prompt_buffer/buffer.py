@@ -65,7 +65,7 @@ class PromptBuffer:
         self.r, self.keys, self.rows, self.schedule, self.policy = r, keys, rows, schedule, policy
         self.cfg, self.consumer, self.burst, self.chunk = cfg, consumer, burst, chunk
         self.stop = stop or StopFlag()
-        self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
+        self.loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=backoff_max_s)
         self.gauges = gauges
         self.clock = clock
         self.stats_key = stats.key(keys)
@@ -218,7 +218,7 @@ class PromptBuffer:
             self._wake.clear()
 
         try:
-            self.loop.run(step, idle=idle)
+            self.loop.run(step, burst=self.burst, idle=idle)
         finally:
             watcher.stop()
         log.info("prompt-buffer stopping after emitting %d group(s) this run", total)

@@ -155,8 +155,8 @@ class TrainerLoop:
                 self.resync()
                 return True
 
-        loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=self.cfg.redis.reconnect_backoff_max_s)
-        loop.run(step, recover=lambda: self.resync() if started else None, done=self._done)
+        loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=self.cfg.redis.reconnect_backoff_max_s)
+        loop.run(step, burst=burst, recover=lambda: self.resync() if started else None, done=self._done)
         if self.unsaved:
             log.info("stopping with %d trained-but-unsaved batches pending; they are retrained from version=%d "
                      "after a restart", len(self.unsaved), self.version)

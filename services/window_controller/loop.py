@@ -47,7 +47,7 @@ class WindowController:
                  stop: StopFlag | None = None, reader: SignalReader | None = None, backoff_max_s: float = 5.0) -> None:
         self.r, self.keys, self.cfg, self.burst = r, keys, cfg, burst
         self.stop = stop or StopFlag()
-        self.loop = ConsumerLoop(SERVICE, self.stop, burst=burst, backoff_max_s=backoff_max_s)
+        self.loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=backoff_max_s)
         self.reader = reader or SignalReader(r, keys)
         if burst:
             self.reader.cursor = "0-0"  # burst: decide on everything already recorded
@@ -123,6 +123,6 @@ class WindowController:
             self._heartbeat.beat({"keep_versions": self.state.keep})
             return False  # one decision per tick: burst ends here, otherwise wait for the next tick
 
-        self.loop.run(step, idle=lambda: self.stop.wait(self.cfg.interval_s))
+        self.loop.run(step, burst=self.burst, idle=lambda: self.stop.wait(self.cfg.interval_s))
         log.info("window controller stopping keep_versions=%d", self.state.keep)
         return 0

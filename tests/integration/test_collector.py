@@ -263,7 +263,7 @@ def test_collector_rides_out_a_redis_crash_and_restart(tmp_path: Path) -> None:
         publish(r, keys, 0)
         put(r, keys, rollout_group("g0", ["0"]))
         c = collector(r, keys, per_batch=2)
-        c.burst, c.block_ms = False, 50
+        c.burst, c.cfg = False, c.cfg.model_copy(update={"block_ms": 50})
         thread = threading.Thread(target=c.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + 10

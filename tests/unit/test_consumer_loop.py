@@ -17,7 +17,7 @@ def test_burst_ends_when_the_step_finds_nothing_more() -> None:
         calls.append(1)
         return next(results)
 
-    ConsumerLoop("t", StopFlag(), burst=True, backoff_max_s=1.0).run(step)
+    ConsumerLoop("t", StopFlag(), backoff_max_s=1.0).run(step, burst=True)
     assert len(calls) == 3
 
 
@@ -30,13 +30,13 @@ def test_without_burst_idle_runs_when_nothing_is_waiting_and_stop_ends_the_loop(
         if len(idles) == 2:
             stop.set()
 
-    ConsumerLoop("t", stop, burst=False, backoff_max_s=1.0).run(lambda: False, idle=idle)
+    ConsumerLoop("t", stop, backoff_max_s=1.0).run(lambda: False, burst=False, idle=idle)
     assert len(idles) == 2
 
 
 def test_outage_waits_a_growing_capped_delay_recovers_and_resets_after_success() -> None:
     stop = StopFlag()
-    loop = ConsumerLoop("t", stop, burst=True, backoff_max_s=0.4)
+    loop = ConsumerLoop("t", stop, backoff_max_s=0.4)
     waits: list[float] = []
 
     def record(timeout: float | None = None) -> bool:  # record the delay instead of sleeping it
@@ -54,14 +54,14 @@ def test_outage_waits_a_growing_capped_delay_recovers_and_resets_after_success()
             raise o
         return bool(o)
 
-    loop.run(step, recover=lambda: recovered.append(1))
+    loop.run(step, burst=True, recover=lambda: recovered.append(1))
     assert waits == [0.1, 0.2, 0.4, 0.4, 0.1]  # doubling up to backoff_max_s; reset by the success
     assert len(recovered) == 5 and not outcomes
 
 
 def test_recover_failing_is_waited_out_like_the_step() -> None:
     stop = StopFlag()
-    loop = ConsumerLoop("t", stop, burst=True, backoff_max_s=1.0)
+    loop = ConsumerLoop("t", stop, backoff_max_s=1.0)
     stop.wait = lambda timeout=None: False  # type: ignore[method-assign]  # no sleeping in a unit test
     steps = iter([redis.ConnectionError("a"), redis.ConnectionError("b"), False])
     recoveries = iter([redis.ConnectionError("still down"), None])
@@ -77,19 +77,19 @@ def test_recover_failing_is_waited_out_like_the_step() -> None:
         if o is not None:
             raise o
 
-    loop.run(step, recover=recover)
+    loop.run(step, burst=True, recover=recover)
     assert loop.backoff.next() == 0.1  # the final success reset the delay
 
 
 def test_other_errors_propagate_and_done_ends_the_loop() -> None:
-    loop = ConsumerLoop("t", StopFlag(), burst=False, backoff_max_s=1.0)
+    loop = ConsumerLoop("t", StopFlag(), backoff_max_s=1.0)
     with pytest.raises(ValueError):
-        loop.run(lambda: (_ for _ in ()).throw(ValueError("bug")))
+        loop.run(lambda: (_ for _ in ()).throw(ValueError("bug")), burst=False)
     count: list[int] = []
 
     def step() -> bool:
         count.append(1)
         return True
 
-    loop.run(step, done=lambda: len(count) >= 3)
+    loop.run(step, burst=False, done=lambda: len(count) >= 3)
     assert len(count) == 3
