@@ -142,9 +142,9 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
         recoveries = [(f, recovery_s(f, samples)) for f in driver.faults]
         slow = [(f.name, f.kind, r) for f, r in recoveries if r is None or r > RECOVERY_BOUND_S]
         timeline = [(round(x["t"] - t0), x["version"]) for x in samples[::4]]
-        assert not slow, (f"published version did not rise within {RECOVERY_BOUND_S}s after: {slow}\n"
-                          f"faults: {[(round(f.at - t0, 1), f.name, f.kind) for f in driver.faults]}\n"
-                          f"(s, version): {timeline}\n{c.explain()}")
+        liveness = (f"published version did not rise within {RECOVERY_BOUND_S}s after: {slow}\n"
+                    f"faults: {[(round(f.at - t0, 1), f.name, f.kind) for f in driver.faults]}\n"
+                    f"(s, version): {timeline}")  # asserted after the accounting, so a failed run shows both
         assert c.terminate("prompt-buffer") == 0  # no new admissions: drain what is in flight
         produced = c.stats()["groups_produced"]
         c.wait_settled(expected=produced, timeout=180)
@@ -190,17 +190,20 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
                                                              "lost", "duplicated")}}
         by_kind: dict[str, list[float]] = {}
         for f, r in recoveries:
-            by_kind.setdefault(f"{f.name}:{f.kind}", []).append(round(float(r or 0.0), 1))
+            by_kind.setdefault(f"{f.name}:{f.kind}", []).append(-1.0 if r is None else round(r, 1))
         extra = dict(kills=len(driver.kills), faults=len(driver.faults), soak_s=SOAK_S,
                      drain_s=round(drained_s, 1), written=written, window=window, peak=peak,
                      baseline_memory=baseline["memory"], dead_by_reason=s["dead_by_reason"],
                      max_attempt=s["max_attempt"], recorder_saw_produced=seen_produced, seed=SEED,
                      skipped=len(skipped), infra_dead=len(infra), kinds=len(kinds),
-                     recovery={k: {"n": len(v), "median_s": statistics.median(v), "max_s": max(v)}
+                     recovery={k: {"n": len(v), "unrecovered": v.count(-1.0),
+                                   "median_s": statistics.median(ok) if (ok := [x for x in v if x >= 0]) else None,
+                                   "max_s": max(ok) if ok else None}
                                for k, v in sorted(by_kind.items())},
                      last_version=samples[-1]["version"])
 
-    record_figures("soak", {**chaos_figures, **extra})  # kept even if the fault-free rerun fails
+    record_figures("soak", {**chaos_figures, **extra, "slow_recoveries": len(slow)})  # kept whatever follows
+    assert not slow, liveness
     # The same seed without faults: the same dataset order and config, until as many groups are trained.
     with make_cluster("calm", rows=1000, own_engine=True, overrides=OVERRIDES) as b:
         b.start_pipeline(workers=3, up_timeout=UP_S)
