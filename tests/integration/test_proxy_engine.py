@@ -97,7 +97,11 @@ def test_span_limit_zero_returns_the_exact_502_and_spends_no_compute_on_the_cont
         publish_b_midway(p, engine, redis_client, keys)
         r = fut.result()
         assert r.status_code == 502
-        assert r.json() == {"detail": {
+        body = r.json()
+        # OpenAI's error shape for SDK clients, with the original's fields kept readable in both places.
+        assert body["error"]["code"] == "partial_rollout_staleness_exceeded"
+        assert body["error"]["versions"] == ["a", "b"] and body["error"]["max_preempts"] == 0
+        assert {k: v for k, v in body.items() if k != "error"} == {"detail": {
             "error": "partial_rollout_staleness_exceeded",
             "message": "Partial rollout model version span exceeded limit; rejecting the trajectory instead "
                        "of continuing it.",
