@@ -17,6 +17,7 @@ import pytest
 import redis
 import yaml
 from proxy_support import REPO, EngineProc, ProxyThread, free_port, start_engine, wait_healthy
+from pydantic import SecretStr
 
 from shared.config import ProxyConfig
 from shared.keys import Keys
@@ -35,14 +36,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProc]:
 
 
 def test_openai_client_end_to_end_through_a_session_scoped_base_url(engine: EngineProc) -> None:
-    with ProxyThread(ProxyConfig(engines=[engine.url], api_key=KEY), engine.model_dir) as p:
+    with ProxyThread(ProxyConfig(engines=[engine.url], api_key=SecretStr(KEY)), engine.model_dir) as p:
         client = openai.OpenAI(base_url=f"{p.url}/s/agent-7/v1", api_key=KEY, max_retries=0)
         first = client.chat.completions.create(model="policy", messages=MSG, max_tokens=12)  # type: ignore[arg-type]
         reply = first.choices[0].message.content or ""
         assert first.object == "chat.completion" and 1 <= (first.usage.completion_tokens if first.usage else 0) <= 12
         msgs = [*MSG, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
         stream = client.chat.completions.create(model="policy", messages=msgs, max_tokens=12, stream=True)  # type: ignore[arg-type]
-        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)  # type: ignore[union-attr]  # stream=True: chunks
         session = httpx.get(f"{p.url}/v1/sessions/agent-7", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert session["turns"] == 2 and session["num_segments"] == 1  # the 2nd prompt extends the 1st turn
         sample = session["samples"][0]
@@ -55,8 +56,8 @@ def test_openai_client_end_to_end_through_a_session_scoped_base_url(engine: Engi
 
 
 def test_bad_input_and_over_capacity_paths_on_a_real_server(engine: EngineProc) -> None:
-    cfg = ProxyConfig(engines=[engine.url], api_key=KEY, max_body_bytes=2048, max_tokens_limit=1000,
-                      max_messages=8, max_concurrency=1)
+    cfg = ProxyConfig(engines=[engine.url], api_key=SecretStr(KEY), operator_key=SecretStr(OPERATOR_KEY),
+                      max_body_bytes=2048, max_tokens_limit=1000, max_messages=8, max_concurrency=1)
     auth = {"Authorization": f"Bearer {KEY}"}
     with ProxyThread(cfg, engine.model_dir) as p, ThreadPoolExecutor(2) as pool:
         assert httpx.post(f"{p.url}/v1/chat/completions", json={"messages": MSG}).status_code == 401
@@ -70,7 +71,7 @@ def test_bad_input_and_over_capacity_paths_on_a_real_server(engine: EngineProc) 
         assert r.status_code == 404 and r.json()["detail"]["error"] == "session_not_found"
         slow = pool.submit(httpx.post, f"{p.url}/v1/generate", headers=auth, timeout=60,
                            json={"input_ids": [5], "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}})
-        _wait_in_flight(p, auth)
+        _wait_in_flight(p, {"Authorization": f"Bearer {OPERATOR_KEY}"})  # rollout state: operator scope
         r = httpx.post(f"{p.url}/v1/chat/completions", json={"messages": MSG}, headers=auth)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["detail"]["error"] == "over_capacity"
