@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_up_e2e import CONFIG, REPO, model_dir, wait_for  # noqa: F401 (model_dir is a fixture)
+from test_up_e2e import CONFIG, REPO, wait_for  # model_dir is a fixture of tests/integration/conftest.py
 
 from services.ops.metricslog import load_rows
 from shared.telemetry import prometheus_port
