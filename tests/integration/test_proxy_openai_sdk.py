@@ -62,7 +62,7 @@ def test_openai_sdk_chat_tools_logprobs_stop_and_errors(proxy: ProxyThread, engi
     entries = lp.choices[0].logprobs.content
     assert len(entries) == 6 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
     assert max(t.logprob for t in entries[0].top_logprobs) >= entries[0].top_logprobs[-1].logprob
-    assert (lp.model_extra or {})["prompt_token_ids"] and len(lp.choices[0].model_extra["token_ids"]) == 6
+    assert (lp.model_extra or {})["prompt_token_ids"] and len((lp.choices[0].model_extra or {})["token_ids"]) == 6
     cut = client(proxy, "sdk-stop").chat.completions.create(model="m", messages=MSG, max_tokens=60, stop=["1", "2"],
                                                             extra_body={"ignore_eos": True})
     text = cut.choices[0].message.content or ""
@@ -125,7 +125,7 @@ def test_streams_and_whole_answers_survive_continuous_weight_updates(proxy: Prox
         stop.set()
         publisher.join(10)
     assert all(f.choices[0].finish_reason == "length" for f in finals) and whole.choices[0].finish_reason == "length"
-    preempts = [f.model_extra["dressage"]["preempts"] for f in finals] + [whole.model_extra["dressage"]["preempts"]]
+    preempts = [(f.model_extra or {})["dressage"]["preempts"] for f in finals] + [(whole.model_extra or {})["dressage"]["preempts"]]
     assert sum(preempts) >= 1, preempts  # updates did land mid-generation, and nobody saw an abort
 
 

@@ -15,6 +15,7 @@ from trainer_factory import batch, batch_fields, tiny_model, trainer_config
 from services.eval_worker.admission import JobPolicy
 from services.eval_worker.worker import build_worker, run_worker
 from services.trainer.checkpoint import CheckpointStore
+from services.trainer.loop import TrainerLoop
 from services.trainer.startup import open_trainer
 from shared.codec import decode_entry, encode_entry
 from shared.evaluation import SERIALIZER
@@ -89,6 +90,7 @@ def test_restart_resumes_state_and_continues_version_numbers(
     first.run(burst=True)
     push(redis_client, keys, "b3")
     second = open_trainer(cfg, redis_client, with_sinks=False)
+    assert isinstance(second, TrainerLoop)  # one process: rank 0
     assert second.learner.step == 2 and second.version == 2
     # The optimizer state came back: same Adam moments as the first trainer's.
     a, b = first.learner.optimizer.state_dict()["state"], second.learner.optimizer.state_dict()["state"]
@@ -112,7 +114,8 @@ def test_interval_two_acks_only_at_the_checkpoint_boundary(
     again.run(burst=True)
     assert published_versions(redis_client, keys) == ["0", "1", "2"]
     assert pending(redis_client, keys) == 0 and stats(redis_client, keys)["batches_trained"] == 4
-    state = CheckpointStore(cfg.train.checkpoint_dir).load_state(again.store.newest())  # type: ignore[arg-type]
+    assert isinstance(again, TrainerLoop)  # one process: rank 0
+    state = CheckpointStore(cfg.train.checkpoint_dir).load_state(again.store.newest())  # type: ignore[arg-type]  # a checkpoint exists
     assert state["step"] == 4 and state["consumed_batch_ids"] == ["b3", "b4"]
 
 
