@@ -356,7 +356,7 @@ def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, Any]]:
         for name, raw in env.items():
             if name.startswith(head):
                 key = name[len(head):].lower()
-                if key in DressageConfig.model_fields[section].annotation.model_fields:  # type: ignore[union-attr]
+                if key in DressageConfig.model_fields[section].annotation.model_fields:  # type: ignore[union-attr]  # every field is a Section class
                     out.setdefault(section, {})[key] = _coerce_env(raw)
     if "REDIS_URL" in env:
         out.setdefault("redis", {}).setdefault("url", env["REDIS_URL"])
