@@ -10,7 +10,7 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
 * with ``train.update_weights_interval`` = k > 1 a checkpoint (and a version) comes every k steps;
   batches of the steps in between stay pending, so a crash retrains them from the last checkpoint;
 * the same MULTI/EXEC appends ``{p}:trainer:trained`` (``batch_ids``, ``group_ids``, ``step``,
-  ``version``): the record the history checker (``shared.history``) counts trained groups from;
+  ``version``): the record the history checker (``services.ops.history``) counts trained groups from;
 * a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
   original bytes in the same MULTI as its XACK, and the loop goes on;
 * on a Redis error the loop backs off (bounded), then re-syncs exactly as a restart would:
@@ -301,7 +301,7 @@ class TrainerLoop:
         pipe.xack(self.keys.batches, GROUP_TRAINER, *[eid for eid, _ in held])
         pipe.hincrby(self.stats, stats.BATCHES_TRAINED, len(held))
         pipe.hincrby(self.stats, stats.GROUPS_TRAINED, sum(len(b.groups) for _, b in held))
-        # The record of what was trained, in the same MULTI as the XACK (read by shared.history).
+        # The record of what was trained, in the same MULTI as the XACK (read by services.ops.history).
         pipe.xadd(self.trained_key, {"batch_ids": ",".join(b.batch_id for _, b in held),
                                      "group_ids": json.dumps([g.group_id for _, b in held for g in b.groups]),
                                      "step": str(self.learner.step), "version": str(self.version)},

@@ -20,8 +20,8 @@ import pytest
 import redis
 from harness import Cluster, wait_until
 
+from services.ops.history import stream_names
 from services.rollout_worker.fake_proxy import FakeProxy, serve
-from shared.history import stream_names
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version
 

@@ -8,9 +8,9 @@ import fakeredis
 import pytest
 from rollout_factory import prompt_group, rollout_group
 
-from shared import history
+from services.ops import history
+from services.ops.history import History, collect, poll
 from shared.codec import encode_entry
-from shared.history import History, collect, poll
 from shared.keys import GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.schemas import Batch, Window
 from shared.streams import dead_letter_fields, ensure_group

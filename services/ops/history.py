@@ -276,7 +276,7 @@ def collect(r: redis.Redis, keys: Keys, into: History | None = None, max_retries
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shared.history", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m services.ops.history", description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--prefix", default="dressage")
     ap.add_argument("--max-retries", type=int, default=None, help="flag groups attempted more often")
