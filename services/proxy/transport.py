@@ -18,12 +18,13 @@ close cannot race a reuse in practice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -232,6 +233,19 @@ class RawHttp:
             pool.close()
 
 
+@contextlib.contextmanager
+def _httpx_failures() -> Iterator[None]:
+    """httpx's failures as this module's: ``ConnectFailed`` (no connection made) or ``RequestFailed``."""
+    try:
+        yield
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise ConnectFailed(type(exc).__name__, isinstance(exc, httpx.ConnectTimeout)) from None
+    except httpx.TimeoutException:
+        raise RequestFailed("no response in time", timed_out=True) from None
+    except httpx.TransportError as exc:
+        raise RequestFailed(type(exc).__name__) from None
+
+
 class HttpxTransport:
     """The same interface over an ``httpx.AsyncClient`` (tests mount in-process ASGI fakes)."""
 
@@ -239,28 +253,16 @@ class HttpxTransport:
         self._client = client
 
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
-        try:
+        with _httpx_failures():
             resp = await self._client.request(method, url, json=body, timeout=timeout)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise ConnectFailed(type(exc).__name__, isinstance(exc, httpx.ConnectTimeout)) from None
-        except httpx.TimeoutException:
-            raise RequestFailed("no response in time", timed_out=True) from None
-        except httpx.TransportError as exc:
-            raise RequestFailed(type(exc).__name__) from None
         return resp.status_code, resp.content
 
     async def stream(self, method: str, url: str, body: Any | None,
                      timeout: float) -> AsyncIterator[tuple[int, bytes]]:
-        try:
+        with _httpx_failures():
             async with self._client.stream(method, url, json=body, timeout=timeout) as resp:
                 async for piece in resp.aiter_bytes():
                     yield resp.status_code, piece
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise ConnectFailed(type(exc).__name__, isinstance(exc, httpx.ConnectTimeout)) from None
-        except httpx.TimeoutException:
-            raise RequestFailed("no response in time", timed_out=True) from None
-        except httpx.TransportError as exc:
-            raise RequestFailed(type(exc).__name__) from None
 
     async def close(self) -> None:
         await self._client.aclose()
