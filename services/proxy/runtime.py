@@ -4,7 +4,7 @@
 updater, the session store and the metrics. ``start()`` (in the event loop) binds the updater to
 the loop, probes the engines' loaded version, starts the version-bus watcher thread (when a
 Redis factory is given and ``proxy.follow_versions``), the session-expiry task and the heartbeat;
-While following versions, ``_engine_check_loop`` reads every engine's loaded version each
+While following versions, the engine check reads every engine's loaded version each
 ``proxy.engine_check_s``: one behind the published version (restarted on its initial weights,
 loaded by someone else, down) is held back from routing and caught up (``WeightUpdater.catch_up``).
 ``stop()`` undoes all of it. ``turn()`` is the one path every generation takes: concurrency slot,
@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -74,10 +74,12 @@ class ProxyRuntime:
         if self._redis_factory is not None and self._keys is not None and self.cfg.follow_versions:
             self._watcher = VersionWatcher(self._redis_factory, self._keys, self.updater.on_version_threadsafe,
                                            poll_s=1.0).start()
-            self._tasks.append(asyncio.create_task(self._engine_check_loop()))
+            self._tasks.append(asyncio.create_task(self._every(self.cfg.engine_check_s, self.check_engines,
+                                                               "engine version check")))
         self._tasks.append(asyncio.create_task(self._expire_loop()))
         if self.cfg.load_poll_s > 0:
-            self._tasks.append(asyncio.create_task(self._balance_loop()))
+            self._tasks.append(asyncio.create_task(self._every(self.cfg.load_poll_s, self.poll_engines,
+                                                               "engine load poll")))
         if self._redis_factory is not None and self._keys is not None:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
@@ -126,21 +128,15 @@ class ProxyRuntime:
             if url in ctl.down and (body is not None or await self.client.healthy(url, timeout)):
                 await ctl.mark_up(url)
 
-    async def _balance_loop(self) -> None:
+    @staticmethod
+    async def _every(period_s: float, work: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run ``work`` every ``period_s`` until cancelled (the engine load poll, the version check)."""
         while True:
-            await asyncio.sleep(self.cfg.load_poll_s)
+            await asyncio.sleep(period_s)
             try:
-                await self.poll_engines()
-            except Exception:  # the poll must outlive any one bad answer
-                log.exception("engine load poll failed")
-
-    async def _engine_check_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.engine_check_s)
-            try:
-                await self.check_engines()
-            except Exception:  # the check must outlive any one bad answer
-                log.exception("engine version check failed")
+                await work()
+            except Exception:  # the loop must outlive any one bad answer
+                log.exception("%s failed", what)
 
     async def _heartbeat_loop(self) -> None:
         assert self._redis_factory is not None and self._keys is not None
