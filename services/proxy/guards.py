@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.proxy.auth import PRINCIPAL, Authorizer, Refusal
-from services.proxy.errors import OverCapacity, ProxyError
+from services.proxy.errors import OverCapacity, ProxyError, error_body
 from services.proxy.metrics import ProxyMetrics
 from shared.edge import printable
 
@@ -107,7 +107,7 @@ class Guard:
         who = self.auth.decide(scope["path"], scope.get("headers", []))
         if isinstance(who, Refusal):
             code = "unauthorized" if who.status == 401 else "forbidden"
-            await _send_json(send, who.status, {"detail": {"error": code, "message": who.message}},
+            await _send_json(send, who.status, error_body(who.status, {"error": code, "message": who.message}),
                              {"WWW-Authenticate": "Bearer"} if who.status == 401 else None)
             return
         PRINCIPAL.set(who)  # this request's task: routes bind sessions to it (services.proxy.auth)
@@ -116,8 +116,8 @@ class Guard:
             try:
                 too_big = int(declared) > self.max_body
             except ValueError:
-                await _send_json(send, 400, {"detail": {"error": "invalid_request", "field": "content-length",
-                                                        "message": "content-length: not an integer"}})
+                await _send_json(send, 400, error_body(400, {"error": "invalid_request", "field": "content-length",
+                                                             "message": "content-length: not an integer"}))
                 return
             if too_big:
                 await _send_json(send, 413, BodyTooLarge(self._limit_msg()).detail_body())
