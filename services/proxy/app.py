@@ -135,7 +135,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         headers = {"X-Session-Id": sid}
         if not plan.stream:
             return JSONResponse(whole(await run_turn(rt, sid, partial, plan), req), headers=headers)
-        live = LiveTurn(rt, sid, partial, plan)
+        live = await LiveTurn.start(rt, sid, partial, plan)
         await live.started()  # a refusal before the first token is still an HTTP error
         return StreamingResponse(streamed(live, req), media_type="text/event-stream", headers=headers)
 

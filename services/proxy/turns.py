@@ -112,14 +112,21 @@ class LiveTurn:
     """A turn running in its own task, its events read as they are produced."""
 
     def __init__(self, rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
-                 prompt_ids: list[int] | None = None) -> None:
+                 prepared: tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]]) -> None:
         self._queue: asyncio.Queue[list[Event] | None] = asyncio.Queue()
-        prepared = prepare(rt, plan, prompt_ids)  # template errors are raised here, before any stream
         self.prompt_ids, self.output = prepared[0], prepared[1]
         self.output.listener = self._queue.put_nowait
         self.task = asyncio.create_task(_execute(rt, session_id, partial, plan, prepared))
         self.task.add_done_callback(lambda _: self._queue.put_nowait(None))
         self._peeked: list[Event] | None = None
+
+    @classmethod
+    async def start(cls, rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
+                    prompt_ids: list[int] | None = None) -> LiveTurn:
+        """Tokenize on the runtime's tokenizer thread (never on the event loop), then start the turn;
+        template and size errors are raised here, before any stream."""
+        prepared = await rt.off_loop(prepare, rt, plan, prompt_ids)
+        return cls(rt, session_id, partial, plan, prepared)
 
     async def started(self) -> None:
         """Wait for the first event (or the end); a turn that failed before any raises here."""
