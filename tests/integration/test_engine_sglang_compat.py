@@ -247,16 +247,24 @@ def test_accepted_bookkeeping_fields(client: httpx.Client) -> None:
     assert client.post("/generate", json={**body, "routed_dp_rank": 1}).json()["error"]["param"] == "routed_dp_rank"
 
 
+def _wait_running(client: httpx.Client) -> None:
+    """Until one request is in the running batch (pinned to the weights it started on)."""
+    deadline = time.monotonic() + 60
+    while True:
+        load = client.get("/get_load").json()[0]
+        if load["num_reqs"] - load["num_waiting_reqs"] >= 1:
+            return
+        assert time.monotonic() < deadline, load
+        time.sleep(0.01)
+
+
 def test_weight_update_waits_for_in_flight_requests_so_each_response_has_one_version(
         engine: EngineProc, client: httpx.Client) -> None:
     engine.reset("fx-1")
     body = {"input_ids": [33, 34, 35], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
     with ThreadPoolExecutor(2) as pool:
         fut = pool.submit(httpx.post, f"{engine.url}/generate", json=body, timeout=120)
-        deadline = time.monotonic() + 20
-        while client.get("/get_load").json()[0]["num_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_running(client)  # running, not only queued: a queued request starts on the new weights
         up = replay(client, "sglang_update_weights_from_disk", engine)
         assert up.status_code == 200 and up.json()["success"] is True, up.text
         meta = fut.result().json()["meta_info"]
@@ -268,8 +276,7 @@ def test_weight_update_waits_for_in_flight_requests_so_each_response_has_one_ver
     with ThreadPoolExecutor(2) as pool:
         fut = pool.submit(httpx.post, f"{engine.url}/generate", json={**body, "sampling_params": {
             "max_new_tokens": 1500, "ignore_eos": True}}, timeout=120)
-        while client.get("/get_load").json()[0]["num_reqs"] < 1:
-            time.sleep(0.01)
+        _wait_running(client)
         up = client.post("/update_weights_from_disk", json={"model_path": str(engine.model_dir),
                                                             "weight_version": "fx-3", "abort_all_requests": True})
         assert up.json()["num_paused_requests"] == 1
