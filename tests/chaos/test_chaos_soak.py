@@ -38,6 +38,7 @@ from shared.tasks.dataset import load_dataset
 from shared.versionbus import read_latest
 
 SOAK_S = float(os.environ.get("CHAOS_SOAK_S", "20"))
+ROWS = max(1000, int(10 * SOAK_S))  # dataset rows: more than the soak can train (see the test)
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 # After a fault the published version must rise within this bound. Generous but real: a restart of the
 # slowest service (the proxy or trainer: torch + transformers import, checkpoint load) took up to 80 s on the
@@ -108,7 +109,9 @@ def trained_lengths(c: Cluster) -> tuple[list[int], Any]:
 
 def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_going(
         make_cluster: Callable[..., Cluster]) -> None:
-    with make_cluster("chaos", rows=1000, own_engine=True, overrides={**OVERRIDES, **EVAL}) as c:
+    # Enough rows that the dataset outlasts the soak (a quiet machine trains ~2-6 groups/s here): once
+    # every row is trained no version can follow a fault, which is the end of the data, not of liveness.
+    with make_cluster("chaos", rows=ROWS, own_engine=True, overrides={**OVERRIDES, **EVAL}) as c:
         c.start_pipeline(workers=3, up_timeout=UP_S)
         c.start("eval-worker")
         c.wait_up("eval-worker", timeout=UP_S)
@@ -147,6 +150,7 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
                     f"(s, version): {timeline}")  # asserted after the accounting, so a failed run shows both
         assert c.terminate("prompt-buffer") == 0  # no new admissions: drain what is in flight
         produced = c.stats()["groups_produced"]
+        assert produced < ROWS, f"the dataset ({ROWS} rows) ran out during the soak: liveness cannot be judged"
         c.wait_settled(expected=produced, timeout=180)
         after = sample(c)
         assert after is not None
@@ -205,7 +209,7 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
     record_figures("soak", {**chaos_figures, **extra, "slow_recoveries": len(slow)})  # kept whatever follows
     assert not slow, liveness
     # The same seed without faults: the same dataset order and config, until as many groups are trained.
-    with make_cluster("calm", rows=1000, own_engine=True, overrides=OVERRIDES) as b:
+    with make_cluster("calm", rows=ROWS, own_engine=True, overrides=OVERRIDES) as b:
         b.start_pipeline(workers=3, up_timeout=UP_S)
         wait_until(lambda: b.stats().get("groups_trained", 0) >= trained, 60 + 2 * SOAK_S,
                    f"the fault-free run to train {trained} groups", b.explain, period=0.5)
