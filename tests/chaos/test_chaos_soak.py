@@ -21,6 +21,7 @@ The figures (per-kind recovery median/max, the seed) go to ``$CHAOS_FIGURES`` fo
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -38,7 +39,10 @@ from shared.tasks.dataset import load_dataset
 from shared.versionbus import read_latest
 
 SOAK_S = float(os.environ.get("CHAOS_SOAK_S", "20"))
-ROWS = max(1000, int(10 * SOAK_S))  # dataset rows: more than the soak can train (see the test)
+ROWS = 1000  # dataset rows (data/reverse/train.jsonl has 2,000)
+# Epochs enough that the data outlasts the soak (a quiet machine trains ~2-6 groups/s here): once every
+# group is trained no version can follow a fault, which is the end of the data, not of liveness.
+EPOCHS = max(1, math.ceil(10 * SOAK_S / ROWS))
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 # After a fault the published version must rise within this bound. Generous but real: a restart of the
 # slowest service (the proxy or trainer: torch + transformers import, checkpoint load) took up to 80 s on the
@@ -49,7 +53,7 @@ TRIM_S = 2.0  # collector.trim_interval_s
 WINDOW_S = 20.0  # trim period + reclaim idle time + a service restart on a loaded 2-core machine, rounded up
 VICTIMS = ["w1", "w2", "w3", "collector", "trainer", "prompt-buffer", "proxy", "engine", "eval-worker"]
 OVERRIDES: dict[str, Any] = {
-    "staleness": {"keep_versions": 2}, "collector": {"trim_interval_s": TRIM_S},
+    "staleness": {"keep_versions": 2}, "collector": {"trim_interval_s": TRIM_S}, "prompt_buffer": {"epochs": EPOCHS},
     "pacing": {"max_in_flight_groups": IN_FLIGHT, "max_versions_ahead": 1}, "rollout": {"max_new_tokens": 24}}
 EVAL = {"eval": {"every_versions": 5, "n_examples": 4, "batch_size": 4}}
 # Error texts of an unavailable upstream: a group dead-lettered with one of them was given up for an
@@ -109,8 +113,6 @@ def trained_lengths(c: Cluster) -> tuple[list[int], Any]:
 
 def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_going(
         make_cluster: Callable[..., Cluster]) -> None:
-    # Enough rows that the dataset outlasts the soak (a quiet machine trains ~2-6 groups/s here): once
-    # every row is trained no version can follow a fault, which is the end of the data, not of liveness.
     with make_cluster("chaos", rows=ROWS, own_engine=True, overrides={**OVERRIDES, **EVAL}) as c:
         c.start_pipeline(workers=3, up_timeout=UP_S)
         c.start("eval-worker")
@@ -150,7 +152,7 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
                     f"(s, version): {timeline}")  # asserted after the accounting, so a failed run shows both
         assert c.terminate("prompt-buffer") == 0  # no new admissions: drain what is in flight
         produced = c.stats()["groups_produced"]
-        assert produced < ROWS, f"the dataset ({ROWS} rows) ran out during the soak: liveness cannot be judged"
+        assert produced < ROWS * EPOCHS, f"the data ({ROWS} rows x {EPOCHS} epochs) ran out: liveness cannot be judged"
         c.wait_settled(expected=produced, timeout=180)
         after = sample(c)
         assert after is not None
