@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from proxy_support import wait_healthy
 
 from shared.modeling import ModelSpec, build_model_dir, load_model
 from shared.redisproc import free_port
@@ -47,16 +47,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Cli
                              str(port), "--weight-version", "0"], cwd=REPO, env=env, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if client.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "engine did not become healthy"
-        time.sleep(0.2)
+    wait_healthy(f"http://127.0.0.1:{port}", proc, log)
     try:
         yield client, ckpts, outside
     finally:
