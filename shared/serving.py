@@ -4,6 +4,11 @@ On SIGTERM/SIGINT uvicorn stops accepting, answers the requests in flight, and r
 signal forces the exit. Stock uvicorn then re-raises the signal at the process (exit status -15);
 a service that shut down cleanly exits 0 instead, so ``serve`` installs uvicorn's own handler for
 the duration of the run and restores the previous one afterwards, without re-raising.
+
+Idle keep-alive connections are kept for ``KEEP_ALIVE_S``, longer than any client pool here keeps
+one (httpx expires idle connections after 5 s, uvicorn's default server timeout is also 5 s): with
+equal timeouts a client can send a POST on a connection the server is closing at that instant, and
+gets a read error for a request that was never seen (a CI run of tests/integration/test_proxy_load.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import uvicorn
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+KEEP_ALIVE_S = 75  # > every client's idle expiry (httpx: 5 s), so the client always closes first
 
 
 class GracefulServer(uvicorn.Server):
@@ -36,4 +42,4 @@ class GracefulServer(uvicorn.Server):
 def serve(app: Any, host: str, port: int) -> None:
     """Serve ``app`` until SIGTERM/SIGINT; returns once the requests in flight were answered."""
     GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                  workers=1)).run()
+                                  workers=1, timeout_keep_alive=KEEP_ALIVE_S)).run()

@@ -238,3 +238,15 @@ def test_model_info_and_health(engine: Engine) -> None:
     health = engine.client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert engine.client.get("/health_generate").json()["status"] == "ok"
+
+
+def test_an_idle_keep_alive_connection_outlives_the_client_pool_expiry(engine: Engine) -> None:
+    # httpx drops idle connections after 5 s; the server must keep them longer, or a POST sent on one
+    # the server is closing at that instant fails with a read error (shared/serving.KEEP_ALIVE_S).
+    host, port = engine.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(6)  # longer than uvicorn's default 5-s keep-alive: a closed socket reads b""
