@@ -13,8 +13,12 @@ the pipeline drains. Asserted:
   its group trained or dead-lettered); no group dead-lettered for an infrastructure reason;
 * liveness: after every fault the published version rises above what it was at the fault within
   ``RECOVERY_BOUND_S``; every service is running at the end (none died on its own);
-* no length bias: the response lengths of the trained trajectories against a fault-free run of the
-  same seed (same dataset order and config, its own engine, no eval-worker), Mann-Whitney U p >= 0.01;
+* no length bias: the response lengths of the trained groups against a fault-free run of the same
+  seed (same dataset order and config, its own engine, no eval-worker), Mann-Whitney U p >= 0.01 with
+  the group as the unit (its mean response length). The group is what the pipeline keeps, drops,
+  retries or loses, and its samples share one prompt, so they are not independent observations: a
+  test over trajectories counts each prompt ~8 times and reads run-to-run policy drift as bias (the
+  trajectory-level figures are still recorded next to it);
 * bounded streams and memory (bounds justified below).
 The figures (per-kind recovery median/max, the seed) go to ``$CHAOS_FIGURES`` for docs/reliability.md.
 """
@@ -25,13 +29,14 @@ import math
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 from harness import ChaosDriver, Cluster, Fault, record_figures, wait_until
-from twosample import ks_statistic, mann_whitney
+from twosample import cluster_means, ks_statistic, mann_whitney
 
 from services.prompt_buffer.schedule import Cursor, Schedule, group_id
 from shared.config import load_config
@@ -77,12 +82,31 @@ def max_in_window(entry_ids: set[str], seconds: float) -> int:
     return best
 
 
-def produced_ids(c: Cluster, n: int) -> set[str]:
-    """Group ids of the first ``n`` groups the prompt-buffer emits for this cluster's dataset."""
+def produced_order(c: Cluster, n: int) -> list[str]:
+    """Group ids of the first ``n`` groups the prompt-buffer emits for this cluster's dataset, in order."""
     rows = load_dataset(c.dataset)
     pb = load_config(c.config_path, env={}).prompt_buffer
     items, _ = Schedule(len(rows), pb.shuffle_seed, pb.epochs).take(Cursor(), n)
-    return {group_id(e, i, rows[i]["prompt_id"]) for e, i in items}
+    return [group_id(e, i, rows[i]["prompt_id"]) for e, i in items]
+
+
+def produced_ids(c: Cluster, n: int) -> set[str]:
+    return set(produced_order(c, n))
+
+
+def length_drift(order: list[str], chaos: dict[str, list[int]], calm: dict[str, list[int]],
+                 parts: int = 5) -> list[dict[str, Any]]:
+    """Mean response tokens of the groups both runs trained, per fifth of the data order (the same
+    groups at about the same training step in both runs): a shift that grows along the order is the two
+    policies drifting apart; one present from the start, or only after faults, is the pipeline's."""
+    both = [g for g in order if chaos.get(g) and calm.get(g)]
+    out = []
+    for k in range(parts):
+        part = both[k * len(both) // parts:(k + 1) * len(both) // parts]
+        if part:
+            out.append({"groups": len(part), "chaos": statistics.mean(cluster_means(part, chaos)),
+                        "calm": statistics.mean(cluster_means(part, calm))})
+    return out
 
 
 def sample(c: Cluster) -> dict[str, Any] | None:
@@ -106,9 +130,11 @@ def recovery_s(fault: Fault, samples: list[dict[str, Any]]) -> float | None:
     return after[0] - fault.at if after else None
 
 
-def trained_lengths(c: Cluster) -> tuple[list[int], Any]:
+def trained_lengths(c: Cluster) -> tuple[list[float], list[int], Any]:
+    """(mean response tokens per trained group, response tokens per trained trajectory, the verdict)."""
     h = c.verdict(allow_trimmed=True)
-    return [n for g in h.trained for n in h.response_tokens.get(g, [])], h
+    return (cluster_means(h.trained, h.response_tokens),
+            [n for g in h.trained for n in h.response_tokens.get(g, [])], h)
 
 
 def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_going(
@@ -158,7 +184,7 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
         assert after is not None
         samples.append(after)
         drained_s = time.monotonic() - t0 - SOAK_S
-        chaos_lengths, h = trained_lengths(c)
+        chaos_groups, chaos_lengths, h = trained_lengths(c)
         seen_produced = len(h.produced)
         # The recorder can miss a prompt entry that lived < 0.1 s (read, failed at once, acked and trimmed
         # in between), so the produced set comes from the buffer's committed cursor: the ids are a pure
@@ -217,13 +243,19 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
                    f"the fault-free run to train {trained} groups", b.explain, period=0.5)
         assert b.terminate("prompt-buffer") == 0
         b.wait_settled(expected=b.stats()["groups_produced"], timeout=120)
-        calm_lengths, hb = trained_lengths(b)
+        calm_groups, calm_lengths, hb = trained_lengths(b)
+        order = produced_order(b, max(produced, b.stats()["groups_produced"]))  # the same seed: the same order
         assert hb.ok, hb.render()
-    mw = mann_whitney(chaos_lengths, calm_lengths)
-    d = ks_statistic(chaos_lengths, calm_lengths)
-    assert mw.p_value >= ALPHA, (f"response lengths shifted under faults: Mann-Whitney p={mw.p_value:.2g}, "
-                                 f"KS D={d:.3f}; means {statistics.mean(chaos_lengths):.2f} vs "
-                                 f"{statistics.mean(calm_lengths):.2f}")
-    record_figures("soak_length_bias", {"seed": SEED, "length_test": {
+    mw = mann_whitney(chaos_groups, calm_groups)
+    d = ks_statistic(chaos_groups, calm_groups)
+    per_trajectory = mann_whitney(chaos_lengths, calm_lengths)
+    record_figures("soak_length_bias", {"seed": SEED, "drift": length_drift(order, h.response_tokens, hb.response_tokens),
+                                        "hist_chaos": sorted(Counter(chaos_lengths).items()),
+                                        "hist_calm": sorted(Counter(calm_lengths).items()), "length_test": {
+        "groups_chaos": len(chaos_groups), "groups_calm": len(calm_groups),
         "n_chaos": len(chaos_lengths), "n_calm": len(calm_lengths), "mean_chaos": statistics.mean(chaos_lengths),
-        "mean_calm": statistics.mean(calm_lengths), "mann_whitney_p": mw.p_value, "ks_d": d}})
+        "mean_calm": statistics.mean(calm_lengths), "mann_whitney_p": mw.p_value, "ks_d": d,
+        "per_trajectory_p": per_trajectory.p_value, "per_trajectory_ks_d": ks_statistic(chaos_lengths, calm_lengths)}})
+    assert mw.p_value >= ALPHA, (f"group response lengths shifted under faults: Mann-Whitney p={mw.p_value:.2g}, "
+                                 f"KS D={d:.3f}; {len(chaos_groups)} vs {len(calm_groups)} groups, mean "
+                                 f"{statistics.mean(chaos_lengths):.2f} vs {statistics.mean(calm_lengths):.2f} tokens")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from twosample import TwoSampleResult, ks_statistic, mann_whitney
+from twosample import TwoSampleResult, cluster_means, ks_statistic, mann_whitney
 
 
 def test_mann_whitney_matches_the_reference_value_for_fully_separated_samples() -> None:
@@ -36,3 +36,21 @@ def test_degenerate_samples() -> None:
     assert ks_statistic([1, 2], [1, 2]) == 0.0 and ks_statistic([1], [2]) == 1.0
     with pytest.raises(ValueError):
         mann_whitney([], [1])
+
+
+def test_cluster_means_give_one_value_per_group_and_skip_groups_without_values() -> None:
+    values = {"g1": [2, 4], "g2": [10], "g3": []}
+    assert cluster_means(["g1", "g2", "g3", "g4"], values) == [3.0, 10.0]
+
+
+def test_copies_within_a_group_inflate_significance_and_the_group_mean_does_not() -> None:
+    # 60 prompts a side, each answered 8 times at the prompt's length; the sides differ by 4 tokens on a
+    # spread of 60. Counted per trajectory the 8 copies look like independent evidence (p < 0.001); per
+    # group, 60 units a side, the same difference is within noise. A real shift still shows per group.
+    a = {f"g{i}": [i] * 8 for i in range(60)}
+    b = {f"g{i}": [i + 4] * 8 for i in range(60)}
+    flat_a, flat_b = [x for v in a.values() for x in v], [x for v in b.values() for x in v]
+    assert mann_whitney(flat_a, flat_b).p_value < 0.001
+    assert mann_whitney(cluster_means(a, a), cluster_means(b, b)).p_value > 0.1
+    far = {f"g{i}": [i + 30] * 8 for i in range(60)}
+    assert mann_whitney(cluster_means(a, a), cluster_means(far, far)).p_value < 1e-6

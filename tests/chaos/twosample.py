@@ -5,13 +5,15 @@
   counts are discrete with many ties, where the rank test is the right tool.
 * ``ks_statistic`` — the two-sample Kolmogorov-Smirnov distance D (largest gap between the two
   empirical CDFs), reported next to it as an effect size.
+* ``cluster_means`` — one value per cluster (a GRPO group): both tests assume independent
+  observations, and the samples of one group share their prompt (and so, largely, their length).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -67,3 +69,8 @@ def ks_statistic(a: Sequence[float], b: Sequence[float]) -> float:
         fb += cb[v] / len(b)
         d = max(d, abs(fa - fb))
     return d
+
+
+def cluster_means(clusters: Iterable[str], values: Mapping[str, Sequence[float]]) -> list[float]:
+    """The mean of ``values[c]`` for each cluster ``c`` that has values (empty clusters are skipped)."""
+    return [sum(v) / len(v) for c in clusters if (v := values.get(c))]
