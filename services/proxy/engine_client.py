@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from services.proxy.errors import UpstreamError, UpstreamUnavailable
-from services.proxy.transport import ConnectFailed, RawHttp, RequestFailed, Transport
+from shared.http_transport import ConnectFailed, RawHttp, RequestFailed, Transport
 
 log = logging.getLogger(__name__)
 

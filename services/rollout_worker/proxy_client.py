@@ -34,10 +34,12 @@ from shared.codes import (
     UPSTREAM_ERROR,
     UPSTREAM_UNAVAILABLE,
 )
+from shared.http_transport import HttpxTransport, RawHttp, Transport, TransportError
 
 ChatMessages = list[dict[str, str]]
 ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})  # an engine answering these is restarting or overloaded
 MAX_BACKPRESSURE_RETRIES = 1000  # the trajectory timeout bounds the wait long before this
+CONNECT_TIMEOUT_S = 10.0
 
 
 class ProxyClient(Protocol):
@@ -134,48 +136,52 @@ def chat_reply(body: Any, session_id: str) -> str:
 
 
 class HttpProxyClient(SessionCalls):
-    """``ProxyClient`` over HTTP with one shared ``httpx.AsyncClient`` (connection pooling)."""
+    """``ProxyClient`` over HTTP: the lean keep-alive client of ``shared.http_transport`` (httpx, when
+    a test hands in an httpx ``transport``, e.g. an in-process ASGI app or a mock)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 300.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, transport=transport,
-                                       timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                       limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        self.timeout_s = timeout_s
+        if transport is None:
+            self._http: Transport = RawHttp(connect_timeout=CONNECT_TIMEOUT_S, bearer=api_key)
+        else:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            self._http = HttpxTransport(httpx.AsyncClient(headers=headers, transport=transport))
 
-    async def _request(self, method: str, path: str, session_id: str, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, session_id: str, body: Any | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
+        """The decoded JSON body of a 2xx answer (None when empty); raises ``TrajectoryFailed``."""
         for _ in range(MAX_BACKPRESSURE_RETRIES):
             try:
-                resp = await self._http.request(method, path, **kwargs)
-            except httpx.TimeoutException as exc:
-                raise TrajectoryFailed(PROXY_TIMEOUT, f"{method} {path}: {type(exc).__name__}",
+                reply = await self._http.exchange(method, f"{self.base_url}{path}", body, self.timeout_s, headers)
+            except TransportError as exc:
+                code = PROXY_TIMEOUT if exc.timed_out else PROXY_UNREACHABLE
+                raise TrajectoryFailed(code, f"{method} {path}: {type(exc).__name__}: {exc}",
                                        session_id=session_id) from exc
-            except httpx.TransportError as exc:
-                raise TrajectoryFailed(PROXY_UNREACHABLE, f"{method} {path}: {type(exc).__name__}: {exc}",
-                                       session_id=session_id) from exc
-            if resp.status_code < 400:
-                return resp
             try:
-                body: Any = resp.json()
+                decoded: Any = json.loads(reply.body) if reply.body else None
             except (json.JSONDecodeError, UnicodeDecodeError):
-                body = resp.text[:500]
-            failure = proxy_error(resp.status_code, body, session_id)
+                if reply.status < 400:
+                    raise TrajectoryFailed("invalid_proxy_response", f"{method} {path}: the body is not JSON",
+                                           session_id=session_id) from None
+                decoded = reply.body[:500].decode("utf-8", "replace")
+            if reply.status < 400:
+                return decoded
+            failure = proxy_error(reply.status, decoded, session_id)
             if failure.code != OVER_CAPACITY:
                 raise failure
-            await asyncio.sleep(retry_after(resp.headers.get("Retry-After")))
+            await asyncio.sleep(retry_after(reply.headers.get("retry-after")))
         raise failure
 
     async def chat(self, session_id: str, messages: ChatMessages, max_tokens: int, temperature: float) -> str:
         payload = {"model": "policy", "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        resp = await self._request("POST", "/v1/chat/completions", session_id, json=payload,
-                                   headers={"X-Session-Id": session_id})
-        return chat_reply(resp.json(), session_id)
+        body = await self._request("POST", "/v1/chat/completions", session_id, payload, {"X-Session-Id": session_id})
+        return chat_reply(body, session_id)
 
     async def _send(self, method: str, path: str, session_id: str) -> Any:
-        resp = await self._request(method, path, session_id)
-        return resp.json() if resp.content else None  # DELETE may answer with an empty body
+        return await self._request(method, path, session_id)  # DELETE may answer with an empty body: None
 
     async def finalize(self, session_id: str) -> dict[str, Any]:
         body = await self._send("POST", session_path(session_id, "/finalize"), session_id)
@@ -184,4 +190,4 @@ class HttpProxyClient(SessionCalls):
         return body
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._http.close()

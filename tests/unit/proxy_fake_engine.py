@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.proxy.transport import HttpxTransport
+from shared.http_transport import HttpxTransport
 
 VOCAB = 100
 

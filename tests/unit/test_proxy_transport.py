@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from services.proxy.transport import ConnectFailed, RawHttp, RequestFailed, _read_response
+from shared.http_transport import ConnectFailed, RawHttp, RequestFailed, _read_response
 from shared.redisproc import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -102,3 +102,30 @@ def test_broken_or_silent_server_after_sending_is_request_failed() -> None:
         server.close()
 
     run(flow)
+
+
+def test_exchange_sends_extra_headers_returns_the_reply_headers_and_refuses_header_injection() -> None:
+    heads: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 2\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def go() -> Any:
+        server, url = await _serve(answer)
+        http = RawHttp(bearer="k")
+        try:
+            reply = await http.exchange("POST", f"{url}/x", {"a": 1}, 5, {"X-Session-Id": "s-1"})
+            with pytest.raises(ValueError, match="CR/LF"):
+                await http.exchange("POST", f"{url}/x", None, 5, {"X-Session-Id": "s\r\nEvil: 1"})
+            return reply
+        finally:
+            await http.close()
+            server.close()
+
+    reply = run(go)
+    assert reply.status == 503 and reply.headers["retry-after"] == "2" and reply.body == b"{}"
+    assert b"\r\nX-Session-Id: s-1\r\n" in heads[0] and b"\r\nAuthorization: Bearer k\r\n" in heads[0]
+    assert len(heads) == 1  # the refused request never reached the server

@@ -1,18 +1,21 @@
-"""HTTP transports to the engines: a lean keep-alive HTTP/1.1 client (production) and an httpx
-adapter (tests route it to in-process ASGI fakes). Both honour one small interface.
+"""HTTP transports between our services: a lean keep-alive HTTP/1.1 client (production: the proxy
+to its engines, a rollout worker to the proxy) and an httpx adapter (tests route it to in-process
+ASGI fakes or mock transports). Both honour one small interface.
 
 Why not httpx in production: measured on the proxy's hot path, httpx's connection pool does
 work quadratic in the number of concurrent requests, and it writes a request's headers and body
 in two syscalls; this client writes each request in one, keeps idle connections in a LIFO per
-engine, and parses only what an SGLang server answers (Content-Length or chunked bodies).
+origin, and parses only what our servers answer (Content-Length or chunked bodies). In a rollout
+worker httpx took 70 % of the process's CPU (py-spy, the async-vs-sync bench), most of it in the
+pool's per-request scan of its connections.
 
 Failure contract, which decides whether a request may be sent again elsewhere:
 * ``ConnectFailed`` — no connection could be made: the request was certainly not sent;
 * ``RequestFailed`` — the connection broke or timed out after the request was (maybe) sent: the
-  engine may be running it, so it is never resent automatically.
+  server may be running it, so it is never resent automatically.
 A pooled connection is reused only if it is still open and idle for less than ``max_idle_s``
-(below the engines' keep-alive timeout, uvicorn's default being 5 s), so a server-side idle
-close cannot race a reuse in practice.
+(below the servers' keep-alive timeout: ``shared.serving.KEEP_ALIVE_S`` for ours, uvicorn's
+default 5 s for others), so a server-side idle close cannot race a reuse in practice.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -47,9 +51,21 @@ class RequestFailed(TransportError):
     """The connection broke or timed out after the request was (maybe) sent."""
 
 
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: Mapping[str, str]  # lower-cased names
+    body: bytes
+
+
 class Transport(Protocol):
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
         """``(status, body bytes)`` of one request with a JSON body (None: no body)."""
+        ...
+
+    async def exchange(self, method: str, url: str, body: Any | None, timeout: float,
+                       headers: Mapping[str, str] | None = None) -> Reply:
+        """One request with extra ``headers``; the reply with its headers."""
         ...
 
     def stream(self, method: str, url: str, body: Any | None, timeout: float) -> AsyncIterator[tuple[int, bytes]]:
@@ -134,23 +150,42 @@ async def _read_plain(reader: asyncio.StreamReader, headers: dict[str, str]) -> 
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
     """``(status, body, keep_alive)``; raises ValueError on a malformed response."""
+    status, _, body, keep = await _read_reply(reader)
+    return status, body, keep
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes, bool]:
+    """``(status, headers, body, keep_alive)``; raises ValueError on a malformed response."""
     status, headers, keep = await _read_head(reader)
     if headers.get("transfer-encoding", "").lower() == "chunked":
         parts = []
         while (piece := await _read_chunk(reader)) is not None:
             parts.append(piece)
-        return status, b"".join(parts), keep
-    return status, await _read_plain(reader, headers), keep and "content-length" in headers
+        return status, headers, b"".join(parts), keep
+    return status, headers, await _read_plain(reader, headers), keep and "content-length" in headers
 
 
-def _request_bytes(pool: _Pool, method: str, url: str, body: Any | None, auth: bytes = b"") -> tuple[bytes, bytes]:
+def _header_bytes(headers: Mapping[str, str] | None) -> bytes:
+    """Extra request headers; a CR or LF in a name or value is refused (no header injection)."""
+    if not headers:
+        return b""
+    out = b""
+    for name, value in headers.items():
+        if any(c in name + value for c in "\r\n"):
+            raise ValueError(f"header {name!r}: CR/LF not allowed")
+        out += f"{name}: {value}\r\n".encode("latin-1")
+    return out
+
+
+def _request_bytes(pool: _Pool, method: str, url: str, body: Any | None, auth: bytes = b"",
+                   headers: Mapping[str, str] | None = None) -> tuple[bytes, bytes]:
     """Request line + headers, and the JSON body, of one request."""
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
     head = (f"{method} {target} HTTP/1.1\r\nHost: ".encode() + pool.host_header
-            + b"\r\nContent-Type: application/json\r\n" + auth + b"Content-Length: " + str(len(payload)).encode()
-            + b"\r\n\r\n")
+            + b"\r\nContent-Type: application/json\r\n" + auth + _header_bytes(headers)
+            + b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n")
     return head, payload
 
 
@@ -172,13 +207,18 @@ class RawHttp:
         return pool
 
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
+        reply = await self.exchange(method, url, body, timeout)
+        return reply.status, reply.body
+
+    async def exchange(self, method: str, url: str, body: Any | None, timeout: float,
+                       headers: Mapping[str, str] | None = None) -> Reply:
         pool = self._pool(url)
-        head, payload = _request_bytes(pool, method, url, body, self._auth)
+        head, payload = _request_bytes(pool, method, url, body, self._auth, headers)
         reader, writer = await pool.connect()
         try:
             writer.write(head + payload)  # one write: headers and body together
             async with asyncio.timeout(timeout):
-                status, data, keep = await _read_response(reader)
+                status, reply_headers, data, keep = await _read_reply(reader)
         except TimeoutError:
             writer.close()
             raise RequestFailed("no response in time", timed_out=True) from None
@@ -192,7 +232,7 @@ class RawHttp:
             pool.release(reader, writer)
         else:
             writer.close()
-        return status, data
+        return Reply(status, reply_headers, data)
 
     async def stream(self, method: str, url: str, body: Any | None,
                      timeout: float) -> AsyncIterator[tuple[int, bytes]]:
@@ -253,9 +293,14 @@ class HttpxTransport:
         self._client = client
 
     async def request(self, method: str, url: str, body: Any | None, timeout: float) -> tuple[int, bytes]:
+        reply = await self.exchange(method, url, body, timeout)
+        return reply.status, reply.body
+
+    async def exchange(self, method: str, url: str, body: Any | None, timeout: float,
+                       headers: Mapping[str, str] | None = None) -> Reply:
         with _httpx_failures():
-            resp = await self._client.request(method, url, json=body, timeout=timeout)
-        return resp.status_code, resp.content
+            resp = await self._client.request(method, url, json=body, timeout=timeout, headers=headers)
+        return Reply(resp.status_code, {k.lower(): v for k, v in resp.headers.items()}, resp.content)
 
     async def stream(self, method: str, url: str, body: Any | None,
                      timeout: float) -> AsyncIterator[tuple[int, bytes]]:
