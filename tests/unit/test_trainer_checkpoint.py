@@ -90,6 +90,23 @@ def test_prune_keeps_the_newest_and_the_referenced(tmp_path: Path, model_and_tok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001", "v00000003", "v00000004"]
 
 
+def test_prune_checks_only_checkpoints_it_does_not_know(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    store = CheckpointStore(tmp_path)
+    for v in range(4):
+        write(store, v, model_and_tok)
+    checked: list[str] = []
+    real = store._read_complete
+    store._read_complete = lambda p: checked.append(p.name) or real(p)  # type: ignore[method-assign]
+    store.prune(3)
+    assert checked == []  # it wrote them all: nothing re-read
+    # A checkpoint it did not write (another process's, or one from before a restart) is checked once;
+    # a damaged one is never counted among the kept.
+    fresh = CheckpointStore(tmp_path)
+    (tmp_path / "v00000009").mkdir()  # no manifest: not complete
+    assert [p.name for p in fresh.prune(2)] == ["v00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003", "v00000009"]
+
+
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> None:
     random.seed(5)
     torch.manual_seed(5)
