@@ -14,6 +14,7 @@ from services.trainer.checkpoint import (
     MANIFEST,
     STATE_FILE,
     CheckpointError,
+    CheckpointInfo,
     CheckpointStore,
     rng_state,
     set_rng_state,
@@ -96,7 +97,12 @@ def test_prune_checks_only_checkpoints_it_does_not_know(tmp_path: Path, model_an
         write(store, v, model_and_tok)
     checked: list[str] = []
     real = store._read_complete
-    store._read_complete = lambda p: checked.append(p.name) or real(p)  # type: ignore[method-assign]
+
+    def spy(p: Path) -> CheckpointInfo | None:
+        checked.append(p.name)
+        return real(p)
+
+    store._read_complete = spy  # type: ignore[method-assign]
     store.prune(3)
     assert checked == []  # it wrote them all: nothing re-read
     # A checkpoint it did not write (another process's, or one from before a restart) is checked once;
