@@ -245,8 +245,10 @@ def test_an_idle_keep_alive_connection_outlives_the_client_pool_expiry(engine: E
     # the server is closing at that instant fails with a read error (shared/serving.KEEP_ALIVE_S).
     host, port = engine.url.removeprefix("http://").split(":")
     request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.create_connection((host, int(port)), timeout=10) as sock, sock.makefile("rb") as stream:
         for _ in range(2):
             sock.sendall(request)
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-            time.sleep(6)  # longer than uvicorn's default 5-s keep-alive: a closed socket reads b""
+            assert stream.readline().startswith(b"HTTP/1.1 200")  # a closed socket reads b""
+            headers = dict(line.rstrip(b"\r\n").split(b": ", 1) for line in iter(stream.readline, b"\r\n"))
+            stream.read(int(headers[b"content-length"]))  # the whole answer: the next read is the next one's
+            time.sleep(6)  # longer than uvicorn's default 5-s keep-alive
