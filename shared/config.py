@@ -239,6 +239,9 @@ class TrainConfig(Section):
     kl_coef: float = Field(default=0.0, ge=0)
     mask_nonlast_version_tokens: bool = False
     update_weights_interval: int = Field(default=1, ge=1, le=100_000)
+    # Write the checkpoint, acknowledge and publish on a commit thread while the next step trains (one
+    # commit in flight; costs a host copy of weights + optimizer state meanwhile). Off: all on the loop.
+    background_commit: bool = True
     checkpoint_dir: str = "runs/checkpoints"
     keep_checkpoints: int = Field(default=3, ge=1, le=1000)
     seed: int = 0

@@ -17,17 +17,29 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
   re-read its own pending entries and publish the newest checkpoint if it is not announced yet;
 * every step's metrics carry where the loop's wall-clock went since its first read
   (``time/{wait,train,checkpoint,publish,other,wall}_s``, ``shared.phases``): waiting for a batch,
-  the optimizer step, the checkpoint write, and acknowledging + publishing the version.
+  the optimizer step, the checkpoint write, and acknowledging + publishing the version;
+* with ``train.background_commit`` the write → acknowledge → publish sequence of a version runs on
+  one commit thread, from a frozen copy of the weights and trainer state taken when the version is
+  cut, while the loop trains the next batch. The sequence itself and its order are unchanged (so
+  are the invariants above); at most one commit is in flight, and the loop waits for it before it
+  cuts the next version, re-syncs after a Redis error, or stops. A failed write re-raises on the
+  loop at that wait and ends the process (its batches are still pending: a restart retrains them).
+  ``time/checkpoint_s`` is then what the loop spent cutting the version and waiting for the previous
+  commit, ``time/publish_s`` stays 0: the time training really lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+import torch
 
 from services.trainer.batching import InvalidBatch, version_gap, version_gap_hist
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_state
@@ -72,6 +84,30 @@ class RecentIds:
         return list(self._items)
 
 
+@dataclass(frozen=True)
+class _CommitJob:
+    version: int
+    step: int
+    held: list[Held]
+    weights: dict[str, Any] | None  # None: the model's own (only when written on the loop's thread)
+    state: dict[str, Any]
+
+
+def _frozen(obj: Any) -> Any:
+    """A deep copy of every tensor in ``obj`` (dicts, lists, tuples); other values as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _frozen(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_frozen(v) for v in obj)
+    return obj
+
+
+def _untimed() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
 class TrainerLoop:
     def __init__(self, r: redis.Redis, cfg: DressageConfig, learner: Learner, tokenizer: Any,
                  store: CheckpointStore, plan: ResumePlan, restored: dict[str, Any] | None,
@@ -93,6 +129,9 @@ class TrainerLoop:
         self.stats = stats.key(self.keys)
         self.trained_key = self.keys.custom("trainer", "trained")  # one entry per acknowledged batch set
         self.clock = PhaseClock(PHASES)  # restarted once start() is done: the loop's own wall-clock
+        self._committer = (ThreadPoolExecutor(1, thread_name_prefix="trainer-commit")
+                           if cfg.train.background_commit else None)
+        self._in_flight: Future[None] | None = None  # the commit running on the commit thread
 
     # --- startup and re-sync ------------------------------------------------------------------
 
@@ -100,7 +139,7 @@ class TrainerLoop:
         """Idempotent: safe to call again after a Redis error half-way through."""
         ensure_group(self.r, self.keys.batches, GROUP_TRAINER)
         if self.plan.write_initial and self.store.newest() is None:
-            self._write_checkpoint(0, [])  # the initial weights become version "0"
+            self._write_checkpoint(self._cut(0, [], frozen=False))  # the initial weights become version "0"
         self._announce_newest()
         claimed = reclaim(self.r, self.keys.batches, GROUP_TRAINER, self.consumer, self.cfg.train.claim_idle_ms)
         if claimed:
@@ -108,6 +147,7 @@ class TrainerLoop:
 
     def resync(self) -> None:
         """After a Redis error: announce the newest checkpoint if needed, re-read own pending."""
+        self._join()  # its batches are acknowledged only once its checkpoint is in place
         ensure_group(self.r, self.keys.batches, GROUP_TRAINER)
         self._announce_newest()
         self.reader.reset()
@@ -157,6 +197,12 @@ class TrainerLoop:
 
         loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=self.cfg.redis.reconnect_backoff_max_s)
         loop.run(step, burst=burst, recover=lambda: self.resync() if started else None, done=self._done)
+        try:
+            self._join()  # the last version is written, acknowledged and published before we stop
+        except redis.RedisError as exc:  # its checkpoint is in place: a restart acknowledges and announces it
+            log.warning("stopping: the last commit version=%d could not reach redis: %s", self.version, exc)
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
         if self.unsaved:
             log.info("stopping with %d trained-but-unsaved batches pending; they are retrained from version=%d "
                      "after a restart", len(self.unsaved), self.version)
@@ -257,20 +303,27 @@ class TrainerLoop:
                  metrics["train/train_rollout_logprob_abs_diff"])
 
     def _commit(self) -> int:
-        """Checkpoint the unsaved steps as the next version, acknowledge their batches, publish."""
-        version = self.version + 1
+        """Checkpoint the unsaved steps as the next version, acknowledge their batches, publish —
+        here, or on the commit thread while the next step trains (``train.background_commit``)."""
         held = self.unsaved
         with self.clock.phase("checkpoint"):
-            info = self._write_checkpoint(version, held)
-        self.unsaved = []  # durable from here: a re-delivery is acknowledged, never retrained
-        fault_point("after_checkpoint")
-        with self.clock.phase("publish"):
-            self._ack(held)
-            fault_point("after_ack")
-            self._publish(info)
-        return version
+            self._join()  # one commit at a time: versions are written, acknowledged, published in order
+            job = self._cut(self.version + 1, held, frozen=self._committer is not None)
+        self.unsaved = []  # the commit's now: a failed write ends the process, and a restart retrains them
+        if self._committer is None:
+            self._run_commit(job, timed=True)
+        else:
+            self._in_flight = self._committer.submit(self._run_commit, job, False)
+        return job.version
 
-    def _write_checkpoint(self, version: int, held: list[Held]) -> CheckpointInfo:
+    def _join(self) -> None:
+        """Wait for the commit in flight; its error (if any) is raised here, on the loop's thread."""
+        job, self._in_flight = self._in_flight, None
+        if job is not None:
+            job.result()
+
+    def _cut(self, version: int, held: list[Held], frozen: bool) -> _CommitJob:
+        """The next version's checkpoint contents, and this loop's bookkeeping advanced to it."""
         entry_ids_ = [eid for eid, _ in held]
         batch_ids = [b.batch_id for _, b in held]
         limit = self.cfg.train.remember_batch_ids
@@ -279,22 +332,37 @@ class TrainerLoop:
         batches_trained = self.batches_trained + len(held)
         groups_trained = self.groups_trained + sum(len(b.groups) for _, b in held)
         weights, learner_state = self.learner.export()  # under torchrun: every rank joins this
+        if frozen:  # training goes on while the commit thread writes: copy what the next step changes
+            weights = _frozen(weights if weights is not None else self.learner.model.state_dict())
+            learner_state = _frozen(learner_state)
         state = {"learner": learner_state, "rng": rng_state(), "version": version,
                  "step": self.learner.step, "batches_trained": batches_trained, "groups_trained": groups_trained,
                  "consumed_entry_ids": entry_ids_, "consumed_batch_ids": batch_ids,
                  "recent_entry_ids": recent_entries.as_list(), "recent_batch_ids": recent_batches.as_list()}
+        self.version, self.batches_trained, self.groups_trained = version, batches_trained, groups_trained
+        self.recent_entries, self.recent_batches = recent_entries, recent_batches
+        return _CommitJob(version, self.learner.step, held, weights, state)
 
+    def _run_commit(self, job: _CommitJob, timed: bool) -> None:
+        """Write → acknowledge → publish one version (``timed``: on the loop, inside its phases)."""
+        with self.clock.phase("checkpoint") if timed else _untimed():
+            info = self._write_checkpoint(job)
+        fault_point("after_checkpoint")
+        with self.clock.phase("publish") if timed else _untimed():
+            self._ack(job.held, job.step, job.version)
+            fault_point("after_ack")
+            self._publish(info)
+
+    def _write_checkpoint(self, job: _CommitJob) -> CheckpointInfo:
         def save_weights(d: Any) -> None:
-            self.learner.model.save_pretrained(d, safe_serialization=True, state_dict=weights)  # None: its own
+            self.learner.model.save_pretrained(d, safe_serialization=True, state_dict=job.weights)  # None: its own
             self.tokenizer.save_pretrained(d)
             make_loadable(d)  # transformers 4.5x (SGLang's pin) reads the checkpoint too
 
-        info = self.store.write(version, self.learner.step, save_weights, state)
-        self.version, self.batches_trained, self.groups_trained = version, batches_trained, groups_trained
-        self.recent_entries, self.recent_batches = recent_entries, recent_batches
-        return info
+        return self.store.write(job.version, job.step, save_weights, job.state)
 
-    def _ack(self, held: list[Held]) -> None:
+    def _ack(self, held: list[Held], step: int | None = None, version: int | None = None) -> None:
+        """XACK + counters + the trained record in one MULTI (``step``/``version``: of the commit)."""
         if not held:
             return
         pipe = self.r.pipeline(transaction=True)
@@ -304,7 +372,8 @@ class TrainerLoop:
         # The record of what was trained, in the same MULTI as the XACK (read by services.ops.history).
         pipe.xadd(self.trained_key, {"batch_ids": ",".join(b.batch_id for _, b in held),
                                      "group_ids": json.dumps([g.group_id for _, b in held for g in b.groups]),
-                                     "step": str(self.learner.step), "version": str(self.version)},
+                                     "step": str(self.learner.step if step is None else step),
+                                     "version": str(self.version if version is None else version)},
                   maxlen=TRAINED_MAXLEN, approximate=True)
         pipe.execute()
         log.info("acknowledged batches entry_ids=%s batch_ids=%s", ",".join(e for e, _ in held),

@@ -44,8 +44,9 @@ def run_trainer(config: Path, fault: str | None = None) -> subprocess.CompletedP
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys) -> tuple[Path, list[str]]:
-    cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix)
+def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys,
+              background: bool = False) -> tuple[Path, list[str]]:
+    cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix, background_commit=background)
     ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, N_BATCHES + 1)]  # type: ignore[arg-type, union-attr]
     return write_config_yaml(tmp_path / "cfg.yaml", cfg), ids
 
@@ -76,8 +77,8 @@ def crash(config: Path, fault: str) -> str:
 
 def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
         redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
-    r = redis_client
-    config, ids = setup_run(tmp_path, model_dir, redis_server, r, keys)
+    r = redis_client  # the exact trace of one process doing every step of the protocol in turn
+    config, ids = setup_run(tmp_path, model_dir, redis_server, r, keys, background=False)
     store = CheckpointStore(tmp_path / "ckpt")
 
     # 1. Between stepping and checkpointing: b2's step dies with the process, b2 stays pending.
@@ -109,6 +110,34 @@ def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
     proc = run_trainer(config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "announcing complete checkpoint version=3" in proc.stderr
+    check_history(r, keys, store, ids)
+
+
+def assert_safe(r: redis.Redis, keys: Keys, store: CheckpointStore, ids: list[str]) -> None:
+    """Whatever a crash interrupted: no batch is in two checkpoints, and every acknowledged batch is in one."""
+    consumed = [e for i in store.complete() for e in store.load_state(i)["consumed_entry_ids"]]
+    assert len(consumed) == len(set(consumed)), consumed
+    group = next(g for g in r.xinfo_groups(keys.batches) if g["name"].decode() == GROUP_TRAINER)
+    last = tuple(int(x) for x in group["last-delivered-id"].decode().split("-"))
+    delivered = {i for i in ids if tuple(int(x) for x in i.split("-")) <= last}
+    acknowledged = delivered - set(pending_ids(r, keys))
+    assert acknowledged <= set(consumed), (acknowledged, consumed)
+    published = [int(v) for v in published_versions(r, keys)]
+    assert published == sorted(set(published)) and set(published) <= {i.version for i in store.complete()}
+
+
+def test_kill_at_every_protocol_point_with_the_commit_thread_loses_nothing_and_trains_nothing_twice(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    # train.background_commit: the next batch is read and trained while the commit thread writes,
+    # acknowledges and publishes; a kill at any of its points leaves that batch pending too.
+    r = redis_client
+    config, ids = setup_run(tmp_path, model_dir, redis_server, r, keys, background=True)
+    store = CheckpointStore(tmp_path / "ckpt")
+    for fault in ("after_step:2", "mid_checkpoint:1", "after_checkpoint:1", "after_ack:1"):
+        crash(config, fault)
+        assert_safe(r, keys, store, ids)
+    proc = run_trainer(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     check_history(r, keys, store, ids)
 
 

@@ -221,3 +221,20 @@ def test_version_gap_hist_counts_trajectories_per_gap() -> None:
     gaps = [4 - int(v) for g in b.groups for v in g.end_versions if v.isdigit()]
     assert version_gap_hist([b], 4) == {str(k): gaps.count(k) for k in sorted(set(gaps))}
     assert sum(version_gap_hist([b], 4).values()) == len(gaps) > 0
+
+
+def test_a_frozen_commit_copy_does_not_follow_the_next_optimizer_step() -> None:
+    from services.trainer.loop import _frozen
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    weights, state = _frozen(model.state_dict()), _frozen({"optimizer": opt.state_dict(), "step": 1})
+    before = {k: v.clone() for k, v in weights.items()}
+    moment = state["optimizer"]["state"][0]["exp_avg"].clone()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # what the loop does while the commit thread writes
+    assert all(torch.equal(weights[k], before[k]) for k in before)
+    assert not torch.equal(model.weight, weights["weight"])
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], moment) and state["step"] == 1
