@@ -241,7 +241,8 @@ class TrainConfig(Section):
     update_weights_interval: int = Field(default=1, ge=1, le=100_000)
     # Write the checkpoint, acknowledge and publish on a commit thread while the next step trains (one
     # commit in flight; costs a host copy of weights + optimizer state meanwhile). Off: all on the loop.
-    background_commit: bool = True
+    # Off by default: on the 2-core CPU demo rollout is the bottleneck and it did not pay (docs/trainer.md).
+    background_commit: bool = False
     checkpoint_dir: str = "runs/checkpoints"
     keep_checkpoints: int = Field(default=3, ge=1, le=1000)
     seed: int = 0
