@@ -148,12 +148,6 @@ async def _read_plain(reader: asyncio.StreamReader, headers: dict[str, str]) -> 
     return await reader.read()
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
-    """``(status, body, keep_alive)``; raises ValueError on a malformed response."""
-    status, _, body, keep = await _read_reply(reader)
-    return status, body, keep
-
-
 async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes, bool]:
     """``(status, headers, body, keep_alive)``; raises ValueError on a malformed response."""
     status, headers, keep = await _read_head(reader)

@@ -135,18 +135,17 @@ class CheckpointStore:
         self._known[p.name] = info
         return info
 
-    def _versioned_dirs(self) -> list[Path]:
-        return [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit()]
-
-    def complete(self) -> list[CheckpointInfo]:
-        """Every complete checkpoint, oldest version first (each one checked against its manifest)."""
-        found = [info for p in self._versioned_dirs() if (info := self._read_complete(p)) is not None]
-        return sorted(found, key=lambda i: i.version)
-
-    def _complete_known(self) -> list[CheckpointInfo]:
-        """``complete()``, checking only the checkpoints this process has not checked or written."""
-        found = [info for p in self._versioned_dirs()
-                 if (info := self._known.get(p.name) or self._read_complete(p)) is not None]
+    def complete(self, recheck: bool = True) -> list[CheckpointInfo]:
+        """Every complete checkpoint, oldest version first, each checked against its manifest
+        (``recheck=False``: only those this process has not already checked or written)."""
+        found = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit():
+                info = None if recheck else self._known.get(p.name)
+                if info is None:
+                    info = self._read_complete(p)
+                if info is not None:
+                    found.append(info)
         return sorted(found, key=lambda i: i.version)
 
     def newest(self) -> CheckpointInfo | None:
@@ -188,7 +187,7 @@ class CheckpointStore:
 
     def prune(self, keep: int, referenced: Iterable[str | Path] = ()) -> list[Path]:
         """Delete all but the newest ``keep`` checkpoints and those in ``referenced``."""
-        done = self._complete_known()
+        done = self.complete(recheck=False)
         root = self.root.resolve()
         pinned = {q.name for q in (Path(p).resolve() for p in referenced) if q.parent == root}
         survivors = {i.path.name for i in done[-keep:]} | pinned

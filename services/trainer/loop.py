@@ -104,10 +104,6 @@ def _frozen(obj: Any) -> Any:
     return obj
 
 
-def _untimed() -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
-
-
 class TrainerLoop:
     def __init__(self, r: redis.Redis, cfg: DressageConfig, learner: Learner, tokenizer: Any,
                  store: CheckpointStore, plan: ResumePlan, restored: dict[str, Any] | None,
@@ -345,10 +341,10 @@ class TrainerLoop:
 
     def _run_commit(self, job: _CommitJob, timed: bool) -> None:
         """Write → acknowledge → publish one version (``timed``: on the loop, inside its phases)."""
-        with self.clock.phase("checkpoint") if timed else _untimed():
+        with self.clock.phase("checkpoint") if timed else contextlib.nullcontext():
             info = self._write_checkpoint(job)
         fault_point("after_checkpoint")
-        with self.clock.phase("publish") if timed else _untimed():
+        with self.clock.phase("publish") if timed else contextlib.nullcontext():
             self._ack(job.held, job.step, job.version)
             fault_point("after_ack")
             self._publish(info)

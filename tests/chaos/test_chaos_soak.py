@@ -90,10 +90,6 @@ def produced_order(c: Cluster, n: int) -> list[str]:
     return [group_id(e, i, rows[i]["prompt_id"]) for e, i in items]
 
 
-def produced_ids(c: Cluster, n: int) -> set[str]:
-    return set(produced_order(c, n))
-
-
 def length_drift(order: list[str], chaos: dict[str, list[int]], calm: dict[str, list[int]],
                  parts: int = 5) -> list[dict[str, Any]]:
     """Mean response tokens of the groups both runs trained, per fifth of the data order (the same
@@ -189,7 +185,7 @@ def test_soak_every_service_faulted_conserves_every_group_and_training_keeps_goi
         # The recorder can miss a prompt entry that lived < 0.1 s (read, failed at once, acked and trimmed
         # in between), so the produced set comes from the buffer's committed cursor: the ids are a pure
         # function of the dataset order (services/prompt_buffer/schedule.py).
-        passed = produced_ids(c, produced)
+        passed = set(produced_order(c, produced))
         h.produced |= passed
         s = h.summary()
         assert h.ok, f"{h.render()}\n{c.explain()}"

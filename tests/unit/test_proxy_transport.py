@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shared.http_transport import ConnectFailed, RawHttp, RequestFailed, _read_response
+from shared.http_transport import ConnectFailed, RawHttp, RequestFailed, _read_reply
 from shared.redisproc import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -20,7 +20,8 @@ def parse(raw: bytes) -> tuple[int, bytes, bool]:
         reader = asyncio.StreamReader()
         reader.feed_data(raw)
         reader.feed_eof()
-        return await _read_response(reader)
+        status, _, body, keep = await _read_reply(reader)
+        return status, body, keep
     return asyncio.run(go())
 
 
