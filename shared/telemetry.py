@@ -25,9 +25,19 @@ log = logging.getLogger(__name__)
 PROMETHEUS_OFFSETS = {"prompt-buffer": 1, "rollout-worker": 2, "group-collector": 3, "trainer": 4, "eval-worker": 5}
 
 
+# On one host (``dressage up``) rollout workers start at this offset, past every offset above, so that
+# worker replicas never take another service's port; compose gives each container its own namespace instead.
+LOCAL_WORKER_OFFSET = 10
+
+
 def prometheus_port(base: int | None, service: str, replica: int = 0) -> int | None:
     """The Prometheus port of ``service`` (replica ``replica``), or None when no base port is set."""
     return base + PROMETHEUS_OFFSETS[service] + replica if base else None
+
+
+def local_replica(worker: int) -> int:
+    """The replica ``dressage up`` gives its ``worker``-th rollout worker (1-based): port base + 10 + worker - 1."""
+    return LOCAL_WORKER_OFFSET - PROMETHEUS_OFFSETS["rollout-worker"] + worker - 1
 
 
 def report_metrics(r: redis.Redis, keys: Keys, service: str, metrics: Mapping[str, Any],

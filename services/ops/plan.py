@@ -22,10 +22,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from services.ops.supervisor import ProcessSpec
 from shared.config import DressageConfig
+from shared.telemetry import local_replica
 
 # Start tiers; stop runs them in reverse (workers first, the engine last).
 TIER_ENGINE, TIER_PROXY, TIER_CONSUMERS, TIER_SOURCE, TIER_WORKERS = range(5)
-LOCAL_REPLICA_BASE = 8  # rollout-worker k (1-based) serves Prometheus on metrics_port_base + 9 + k
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
     specs.append(proc("prompt-buffer", TIER_SOURCE, may_finish=True))
     for i in range(1, c.workers + 1):
         # The worker's Prometheus port is metrics_port_base + 2 + replica; on one host replicas 0..2
-        # would collide with the collector (+3), trainer (+4) and eval (+5): start them at +10.
+        # would collide with the collector (+3), trainer (+4) and eval (+5): local_replica starts past them.
         specs.append(proc("rollout-worker", TIER_WORKERS, name=f"rollout-worker-{i}",
-                          extra={"DRESSAGE_REPLICA": str(LOCAL_REPLICA_BASE + i - 1)}))
+                          extra={"DRESSAGE_REPLICA": str(local_replica(i))}))
     return specs

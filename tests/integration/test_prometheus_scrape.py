@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_up_e2e import CONFIG, REPO, wait_for  # model_dir is a fixture of tests/integration/conftest.py
 
 from services.ops.metricslog import load_rows
-from shared.telemetry import prometheus_port
+from shared.telemetry import local_replica, prometheus_port
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +81,8 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
             "group-collector": f"http://127.0.0.1:{prometheus_port(base, 'group-collector')}/metrics",
             "trainer": f"http://127.0.0.1:{prometheus_port(base, 'trainer')}/metrics",
             "eval-worker": f"http://127.0.0.1:{prometheus_port(base, 'eval-worker')}/metrics",
-            "rollout-worker-1": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', 8)}/metrics",
-            "rollout-worker-2": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', 9)}/metrics",
+            "rollout-worker-1": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', local_replica(1))}/metrics",
+            "rollout-worker-2": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', local_replica(2))}/metrics",
         }
         seen: dict[str, set[str]] = {}
         deadline = time.monotonic() + 60
