@@ -2,7 +2,7 @@
 
 Each test replays an attack from the issue and checks it is refused: the agent key pausing the
 fleet, a session token reaching another session, deep JSON / lone surrogates giving a 500, a
-session id with a newline, special tokens typed in user content, a huge prompt tokenized on the
+session id with a newline, a URL path that forges a log line, special tokens typed in user content, a huge prompt tokenized on the
 event loop, engine URLs in error bodies.
 """
 
@@ -12,14 +12,18 @@ import asyncio
 import logging
 import threading
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import pytest
 from proxy_fake_engine import FakeEngine
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from test_proxy_app import ENGINE, MSG, TOKENIZER, run_proxy
 
+from services.proxy.guards import Guard
+from services.proxy.metrics import ProxyMetrics
 from services.proxy.runtime import ProxyRuntime
 from shared.edge import session_token
 
@@ -130,6 +134,47 @@ def test_session_ids_are_matched_whole_and_log_lines_cannot_be_forged(caplog: py
     with caplog.at_level(logging.DEBUG):
         run_proxy(t)
     assert "forged line" not in caplog.text
+
+
+FORGED_PATHS = ("/v1/x%0Aforged line", "/s/abc%0D%0Aforged line/v1/chat/completions",
+                "/v1/chat/completions%0D%0Aforged line")
+
+
+def forged_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Log lines (of every record, across embedded newlines) that begin with the text an attacker injected."""
+    return [line for r in caplog.records for line in r.getMessage().splitlines() if line.startswith("forged")]
+
+
+def test_a_crafted_url_path_cannot_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        for path in FORGED_PATHS:
+            r = await c.post(path, json={"messages": MSG}, headers=bearer(AGENT))
+            assert 400 <= r.status_code < 500 and "\n" not in r.headers.get("x-session-id", ""), (path, r.text)
+        assert len(rt.sessions) == 0 and eng.generate_bodies == []
+
+    async def broken(scope: Scope, receive: Receive, send: Send) -> None:
+        raise RuntimeError("boom")
+
+    async def disconnected(scope: Scope, receive: Receive, send: Send) -> None:
+        raise ClientDisconnect()
+
+    async def no_client() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def drop(message: Message) -> None:
+        pass
+
+    async def guarded(app: ASGIApp, path: str) -> None:  # the two lines that name the path: crash, disconnect
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+        await Guard(app, None, 1 << 20, ProxyMetrics())(scope, no_client, drop)
+
+    with caplog.at_level(logging.DEBUG):
+        run_proxy(t, api_key=AGENT, operator_key=OPERATOR)
+        for app in (broken, disconnected):
+            asyncio.run(guarded(app, unquote(FORGED_PATHS[0])))
+    named = [r.getMessage() for r in caplog.records if r.name == "services.proxy.guards"]
+    assert len(named) == 2 and all("/v1/x\\x0aforged line" in m for m in named), named  # logged, escaped
+    assert forged_lines(caplog) == []
 
 
 def test_special_tokens_typed_in_user_content_stay_text() -> None:
