@@ -73,7 +73,7 @@ def build_app(service: EngineService) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateBody) -> Response:
         if body.stream:
-            prepared = service.prepare(body)  # refusals and bad values answer before the stream starts
+            prepared = await service.prepare(body)  # refusals and bad values answer before the stream starts
             return StreamingResponse(service.stream(body, prepared), media_type="text/event-stream")
         # Plain JSON types already: skip FastAPI's per-element jsonable_encoder pass.
         return JSONResponse(await service.generate(body))

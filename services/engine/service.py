@@ -3,7 +3,8 @@
 Invariant: nothing here touches the model or the KV cache. A request is validated
 (`protocol.expand`, `protocol.refusals`, the limits below), turned into one `GenRequest` per
 sample and handed to the scheduler thread; the handler awaits futures, so the event loop stays
-free while tokens are computed. A cancelled caller (client gone) aborts its requests. Weight
+free while tokens are computed. A ``text`` prompt is tokenized on the tokenizer thread, for the same
+reason: a 4 MB text takes seconds to encode, and ``/health`` must answer meanwhile. A cancelled caller (client gone) aborts its requests. Weight
 updates apply in call order (one lock).
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from services.engine.protocol import GenerateBody, Item, UpdateWeightsBody, expand, refusals, render
@@ -38,6 +40,7 @@ class EngineService:
         self.max_new_tokens_limit = max_new_tokens_limit
         self.tokenizer_path = tokenizer_path
         self._update_lock = asyncio.Lock()  # weight updates apply in call order
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")
         # update_weights_from_disk loads only from inside these (symlinks resolved); None = anywhere (tests)
         self.weight_roots = tuple(weight_roots) if weight_roots is not None else None
 
@@ -159,14 +162,20 @@ class EngineService:
         return render(result, item, req.input_ids, self._text(result, item, final), time.perf_counter() - t0,
                       decode_one, body.return_text_in_logprobs, final)
 
-    def prepare(self, body: GenerateBody) -> tuple[bool, list[Item], list[GenRequest]]:
+    def _prepare(self, body: GenerateBody) -> tuple[bool, list[Item], list[GenRequest]]:
         single, items = self.items(body)
         return single, items, [self.to_request(it, body) for it in items]
+
+    async def prepare(self, body: GenerateBody) -> tuple[bool, list[Item], list[GenRequest]]:
+        """The scheduler requests for `body`; a ``text`` prompt is tokenized off the event loop."""
+        if body.text is None:  # input_ids (the proxy's case): nothing slow to do, no thread hop
+            return self._prepare(body)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._prepare, body)
 
     async def generate(self, body: GenerateBody) -> dict[str, Any] | list[dict[str, Any]]:
         """A non-streamed ``/generate``: one object, or a list for a batch (grouped by prompt)."""
         t0 = time.perf_counter()
-        single, items, reqs = self.prepare(body)
+        single, items, reqs = await self.prepare(body)
         results = await asyncio.gather(*(self.run(r) for r in reqs))
         out = [self._render(res, it, rq, body, t0) for res, it, rq in zip(results, items, reqs, strict=True)]
         return out[0] if single else out
