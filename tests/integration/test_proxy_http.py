@@ -18,6 +18,7 @@ import redis
 import yaml
 from proxy_support import REPO, EngineProc, ProxyThread, free_port, start_engine, wait_healthy
 from pydantic import SecretStr
+from waits import wait_for
 
 from shared.config import ProxyConfig
 from shared.keys import Keys
@@ -101,8 +102,8 @@ def test_idle_sessions_expire_after_the_ttl(engine: EngineProc) -> None:
                        headers={"X-Session-Id": "short-lived"}, timeout=30)
         assert r.status_code == 200
         assert httpx.get(f"{p.url}/v1/sessions/short-lived").status_code == 200
-        time.sleep(1.0)
-        assert httpx.get(f"{p.url}/v1/sessions/short-lived").status_code == 404
+        wait_for(lambda: httpx.get(f"{p.url}/v1/sessions/short-lived").status_code == 404, 10,
+                 "the idle session expired after its 0.4 s TTL")
         assert p.state()["sessions"] == 0
 
 

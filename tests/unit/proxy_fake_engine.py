@@ -36,6 +36,7 @@ class FakeEngine:
         self.updates: list[dict[str, Any]] = []
         self.running: dict[str, asyncio.Event] = {}
         self.started = asyncio.Event()  # set when any generation is producing tokens
+        self.produced = 0  # tokens emitted so far, over every generation: what tests wait on
         self.fail_update = False
         self.app = Starlette(routes=[
             Route("/generate", self.generate, methods=["POST"]),
@@ -112,6 +113,7 @@ class FakeEngine:
                     break
                 last = nxt
                 ids.append(last)
+                self.produced += 1
                 lps.append(-0.25)
                 versions.append(self.version)
                 if self.stop_after is not None and i + 1 >= self.stop_after:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from proxy_fake_engine import FakeEngine, http_client
+from waits import async_wait_for
 
 from services.proxy.controller import WEIGHT_UPDATE, GenerationController
 from services.proxy.engine_client import EngineClient
@@ -41,8 +42,7 @@ def run(fn: Callable[[], Awaitable[Any]]) -> Any:
 
 async def update_midway(ctl: GenerationController, eng: FakeEngine, version: str, after_tokens: int = 5) -> None:
     """Wait until the engine produced a few tokens, then pause, load ``version`` and resume."""
-    await eng.started.wait()
-    await asyncio.sleep(eng.step_s * after_tokens)
+    await async_wait_for(lambda: eng.produced >= after_tokens, what=f"{after_tokens} tokens before the update")
     updater = WeightUpdater(ctl, ctl.client, ctl.metrics)
     await updater.apply(WeightVersion(version=version, path=f"/ckpt/{version}", step=1, published_at=0.0))
 
@@ -141,11 +141,10 @@ def test_operator_pause_suspends_then_resume_continues_keeping_partial_tokens() 
 
     async def flow() -> Any:
         task = asyncio.create_task(ctl.generate("s1", [], [1], 40, SAMPLING, partial=True))
-        await eng.started.wait()
-        await asyncio.sleep(0.03)
+        await async_wait_for(lambda: eng.produced >= 5, what="tokens before the pause")
         paused = await ctl.pause(reason="test")
         assert paused["quiesced"] and paused["status"] == "paused"
-        await asyncio.sleep(0.05)
+        await async_wait_for(lambda: ctl.state()["suspended_generations"] == 1, what="the generation suspended")
         state = ctl.state()
         assert state["suspended_generations"] == 1 and state["active_generations"] == 0
         assert len(eng.generate_bodies) == 1  # nothing dispatched while paused
@@ -165,8 +164,7 @@ def test_session_pause_only_preempts_that_session() -> None:
     async def flow() -> Any:
         t1 = asyncio.create_task(ctl.generate("s1", [], [1], 30, SAMPLING, partial=True))
         t2 = asyncio.create_task(ctl.generate("s2", [], [1], 30, SAMPLING, partial=True))
-        await eng.started.wait()
-        await asyncio.sleep(0.02)
+        await async_wait_for(lambda: eng.produced >= 4, what="both sessions generating")
         await ctl.pause(session_id="s1")
         g2 = await t2  # the other session is not paused
         assert not ctl.runnable("s1") and ctl.runnable("s2")

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from proxy_fake_engine import FakeEngine, http_client
+from waits import async_wait_for
 
 from services.proxy.controller import GenerationController
 from services.proxy.engine_client import EngineClient
@@ -67,17 +68,14 @@ def test_health_check_path_holds_back_a_behind_engine_and_routes_to_the_caught_u
         e2.version = "1"  # someone loaded an older checkpoint into engine 2; it refuses ours for now
         assert not ctl.learn(E2, "1") and E2 in ctl.behind
         await updater.wait_idle()
-        await asyncio.sleep(0.05)  # let the (failing) catch-up run
+        await async_wait_for(lambda: len(e2.updates) == 2, what="the (failing) catch-up ran")
         assert E2 in ctl.behind
         sessions = [f"s{i}" for i in range(12)]
         gens = [await ctl.generate(s, [], [1], 4, SAMPLING, partial=False) for s in sessions]
         assert len(e2.generate_bodies) == 0  # nothing routed to the engine behind
         e2.fail_update = False
         ctl.mark_behind(E2, "health check: still version 1")  # the next check retries the catch-up
-        for _ in range(100):
-            if E2 not in ctl.behind:
-                break
-            await asyncio.sleep(0.01)
+        await async_wait_for(lambda: E2 not in ctl.behind, 5, "engine 2 caught up")
         return [v for g in gens for v in g.versions]
 
     versions = run(flow)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from proxy_fake_engine import FakeEngine
 from test_proxy_app import TOKENIZER, run_proxy
+from waits import async_wait_for
 
 from services.proxy.runtime import ProxyRuntime
 
@@ -85,8 +86,7 @@ def test_stream_survives_a_preemption_as_one_uninterrupted_stream() -> None:
 
     async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
         async def pause_resume() -> None:
-            await eng.started.wait()
-            await asyncio.sleep(0.05)
+            await async_wait_for(lambda: eng.produced >= 5, what="tokens streamed before the pause")
             await rt.controller.pause(reason="test")
             await rt.controller.resume(version="b")
         task = asyncio.create_task(pause_resume())
@@ -110,11 +110,8 @@ def test_stop_strings_cut_text_and_recorded_tokens_at_the_same_place() -> None:
         sample = rt.sessions.get("stop-1").samples()[0]
         response = [t for t, m in zip(sample["token_ids"], sample["loss_mask"], strict=True) if m]
         assert TOKENIZER.decode(response) == "one two "
-        for _ in range(100):  # the abort is sent in the background
-            if eng.aborts:
-                break
-            await asyncio.sleep(0.01)
-        assert eng.aborts, "the engine request is aborted once the stop string matched"
+        # the abort is sent in the background
+        await async_wait_for(lambda: eng.aborts, 5, "the engine request aborted once the stop string matched")
     run_proxy(t, engine=FakeEngine(script=ids("one two END three four five six seven"), step_s=0.01))
 
 

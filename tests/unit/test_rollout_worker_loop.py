@@ -12,6 +12,7 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
+from waits import wait_for
 
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
@@ -182,13 +183,19 @@ def test_staleness_rejections_count_once_per_event_and_never_stick(r: redis.Redi
     assert prom.REJECTED_GROUPS._value.get() - before == 1
 
 
+def idle_ms(r: redis.Redis, keys: Keys) -> int:
+    """How long the least idle pending prompt has gone undelivered (ms)."""
+    entries = r.xpending_range(keys.prompts, GROUP_ROLLOUT, min="-", max="+", count=100)
+    return min(int(e["time_since_delivered"]) for e in entries)
+
+
 def test_entries_of_a_dead_worker_are_reclaimed_after_the_idle_time(r: redis.Redis, keys: Keys) -> None:
     enqueue(r, keys, 2)
     r.xreadgroup(GROUP_ROLLOUT, "dead-worker", {keys.prompts: ">"}, count=2)  # read, then "crashed"
     w = worker(r, keys, FakeProxy(reply=solve), claim_idle_ms=100)
     w.run(burst=True)
     assert rollouts(r, keys) == [] and pending(r, keys) == 2  # not idle long enough yet: left alone
-    time.sleep(0.15)
+    wait_for(lambda: idle_ms(r, keys) >= 100, 5, "the dead worker's entries idle for claim_idle_ms")
     worker(r, keys, FakeProxy(reply=solve), consumer="w2", claim_idle_ms=100).run(burst=True)
     assert sorted(g.group_id for g in rollouts(r, keys)) == ["g0", "g1"] and pending(r, keys) == 0
     assert {g.meta["worker"] for g in rollouts(r, keys)} == {"w2"}
@@ -197,7 +204,7 @@ def test_entries_of_a_dead_worker_are_reclaimed_after_the_idle_time(r: redis.Red
 def test_a_worker_claims_only_as_many_idle_entries_as_it_can_start(r: redis.Redis, keys: Keys) -> None:
     enqueue(r, keys, 3)
     r.xreadgroup(GROUP_ROLLOUT, "dead-worker", {keys.prompts: ">"}, count=3)
-    time.sleep(0.15)
+    wait_for(lambda: idle_ms(r, keys) >= 100, 5, "the dead worker's entries idle for claim_idle_ms")
     w = worker(r, keys, FakeProxy(reply=solve), claim_idle_ms=100)
     assert len(w._claim_idle(1)) == 1
     owners = [p["consumer"] for p in r.xpending_range(keys.prompts, GROUP_ROLLOUT, min="-", max="+", count=10)]
