@@ -95,6 +95,11 @@ class ProxyConfig(Section):
     engines: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
     partial_rollout: bool = True
     max_partial_rollout_preempts: int | None = Field(default=None, ge=0, le=1000)
+    # How a new weight version reaches running generations (docs/proxy.md "Live weight updates"):
+    # "pause" aborts them, loads, and resumes them from their tokens (a fresh prefill on the new weights);
+    # "live" loads while they run: partial-mode requests continue across the swap with per-token versions
+    # (their KV cache from the old weights, as in PipelineRL), non-partial ones finish on the old weights first.
+    weight_updates: Literal["pause", "live"] = "pause"
     api_key: SecretStr | None = None  # agent-scope bearer token (rollout workers); None + no operator_key = no auth
     operator_key: SecretStr | None = None  # operator-scope token: pause/resume/state/sessions/metrics (docs/security.md)
     engine_api_key: SecretStr | None = None  # bearer token sent to the engines (their engine.api_key)

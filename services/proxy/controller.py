@@ -25,6 +25,11 @@ Invariants (asyncio, one event loop; no await between a check and the state chan
   when every engine refused the connection, so a short engine restart is ridden out;
 * ``current_version`` is learned from every response (an engine loaded behind our back is
   noticed on its next answer), not only on load/resume;
+* live updates (``proxy.weight_updates: live``): the updater never pauses; a rid sent before an
+  update keeps running across the engine's swap (partial mode; its tokens carry per-token
+  versions and meet the same span checks) or finishes on its old weights (non-partial: it does
+  not opt in, so the engine swaps after it). Such a rid is judged stale against the target it
+  was sent under (``_Active.floor``), not the newer one;
 * many engines (``balancer``): a session's chunks go to its sticky engine, a new session to the
   least loaded one. An engine that refuses a connection, or drops one in the middle of a request
   we did not abort, is marked *down*: nothing is routed to it, and the chunk it was running is
@@ -99,6 +104,7 @@ class _Active:
     abort_requested: bool = False
     stop_requested: bool = False  # the sink matched a stop string: aborted by us, not a preemption
     finished: bool = False  # the engine's answer came back whole
+    floor: str | None = None  # live updates: the target when this rid was sent (its tokens of it are current)
     streamed_versions: list[str] = field(default_factory=list)  # distinct versions of streamed tokens so far
     held: list[Chunk] = field(default_factory=list)  # streamed deltas that passed the checks (the sink has them)
 
@@ -127,9 +133,10 @@ class TokenSink(Protocol):
 class GenerationController:
     def __init__(self, client: EngineClient, metrics: ProxyMetrics, max_preempts: int | None,
                  request_timeout_s: float = 600.0, pause_timeout_s: float = 30.0,
-                 engine_sync_wait_s: float = 30.0) -> None:
+                 engine_sync_wait_s: float = 30.0, live_updates: bool = False) -> None:
         self.client, self.metrics = client, metrics
         self.max_preempts = max_preempts
+        self.live = live_updates  # weights load under running generations (no pause; see set_current)
         self.request_timeout_s, self.pause_timeout_s = request_timeout_s, pause_timeout_s
         self.engine_sync_wait_s = engine_sync_wait_s
         self.current_version: str | None = None  # what the engines run now (load/resume, every response)
@@ -217,7 +224,7 @@ class GenerationController:
         """Release ``holder``'s pause (or one session's); ``version`` sets what engines now run."""
         was_paused = not self.runnable(session_id) if session_id else bool(self._holders)
         if version is not None and real_version(version) is not None:
-            self.current_version = real_version(version)
+            self.set_current(version)
         elif was_paused and session_id is None:
             # Whoever paused may have loaded weights behind our back: ask the engines (§9 #15).
             await self.refresh_version()
@@ -231,6 +238,11 @@ class GenerationController:
                  self.current_version, self.epoch, sorted(self._holders))
         await self._notify()
         return {"status": "resumed" if was_paused else "already_running", **self.state()}
+
+    def set_current(self, version: str) -> None:
+        """The engines now run ``version`` (an update loaded it; with live updates nothing paused)."""
+        if (v := real_version(version)) is not None:
+            self.current_version = v
 
     async def refresh_version(self) -> str | None:
         """Set ``current_version`` from the engines when they all report the same real one."""
@@ -267,15 +279,20 @@ class GenerationController:
             log.info("engine=%s serves version=%s: routable again", url, v)
             await self._notify()
 
-    def learn(self, url: str, version: str | None) -> bool:
-        """A response's version: True when ``url`` serves ``target`` (or newer, or no target is set)."""
+    def learn(self, url: str, version: str | None, floor: str | None = None) -> bool:
+        """A response's version: True when ``url`` serves ``target`` (or newer, or no target is set).
+
+        With live updates a rid sent before an update may end on the weights it started on: it is
+        measured against ``floor`` (the target when it was sent) and never moves ``current_version`` back."""
         v = real_version(version) if version is not None else None
         if v is None:
             return True
-        if self.target is not None and version_newer(self.target, v):
+        least = floor if self.live else self.target
+        if least is not None and version_newer(least, v):
             self.mark_behind(url, f"answered with version={v}")
             return False
-        self.current_version = v
+        if self.target is None or not version_newer(self.target, v):
+            self.current_version = v
         return True
 
     def mark_down(self, url: str, why: str) -> None:
@@ -364,7 +381,7 @@ class GenerationController:
         streamed = sink is not None and sink.stream
 
         def feed(delta: Chunk, active: _Active) -> None:  # one streamed event, before it reaches anyone
-            target = self.target
+            target = active.floor if self.live else self.target
             if target is not None and (v := real_version(delta.weight_version or "")) and version_newer(target, v):
                 return  # stale engine: its tokens are discarded with the chunk (see _dispatch)
             self.check(session_id, [*earlier, *gen.versions, *active.streamed_versions], delta.versions, partial)
@@ -392,7 +409,9 @@ class GenerationController:
             remaining = max_new_tokens - len(gen.output_ids)
             body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
                     "sampling_params": {**sampling, "max_new_tokens": remaining}, **(request_fields or {})}
-            body["continue_across_weight_updates"] = True  # engine opt-in: runs across a swap, versions per token
+            # Engine opt-in: runs across a swap, versions per token. Live updates never abort, so a
+            # non-partial chunk instead finishes on the weights it started on (the swap waits for it).
+            body["continue_across_weight_updates"] = partial or not self.live
             if streamed:
                 body["stream"] = True
             chunk, stopped = await self._dispatch(session_id, body, feed if streamed else None)
@@ -440,7 +459,7 @@ class GenerationController:
         last: UpstreamUnavailable | None = None
         for url in await self._wait_routable(session_id):
             rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
-            active = self._active[rid] = _Active(rid, session_id, url)
+            active = self._active[rid] = _Active(rid, session_id, url, floor=self.target)
             self.metrics.active.set(len(self._active))
             self.balancer.started(url)
             on_delta = None if feed is None else _bind(feed, active)
@@ -450,7 +469,7 @@ class GenerationController:
                 self.balancer.assign(session_id, url)
                 if url in self.down:
                     await self.mark_up(url)
-                if not self.learn(url, chunk.weight_version):
+                if not self.learn(url, chunk.weight_version, active.floor):
                     self.metrics.stale_chunks.inc()
                     log.warning("session_id=%s rid=%s engine=%s answered on version=%s < published %s: "
                                 "%d tokens discarded, chunk sent again", session_id, rid, url,

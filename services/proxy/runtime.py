@@ -52,7 +52,8 @@ class ProxyRuntime:
         self.client = client or EngineClient(cfg.engines, cfg.connect_timeout_s, cfg.request_timeout_s,
                                              engine_api_key=engine_key)
         self.controller = GenerationController(self.client, self.metrics, cfg.max_partial_rollout_preempts,
-                                               cfg.request_timeout_s, cfg.pause_timeout_s, cfg.engine_sync_wait_s)
+                                               cfg.request_timeout_s, cfg.pause_timeout_s, cfg.engine_sync_wait_s,
+                                               live_updates=cfg.weight_updates == "live")
         self.updater = WeightUpdater(self.controller, self.client, self.metrics)
         self.controller.on_engine_behind = self.updater.catch_up
         self.sessions = SessionStore(cfg.session_ttl_s, cfg.max_sessions, cfg.max_turns_per_session)
@@ -210,5 +211,7 @@ class ProxyRuntime:
                 "in_flight_requests": self.limit.in_flight, "sessions": len(self.sessions),
                 "applied_version": self.updater.applied, "last_update": self.updater.last,
                 "weight_update_seconds_total": round(self.updater.pause_seconds_total, 4),
+                "weight_load_seconds_total": round(self.updater.load_seconds_total, 4),
+                "weight_updates_mode": self.cfg.weight_updates,
                 "weight_updates_total": self.updater.updates_total,
                 "following_versions": self._watcher is not None}

@@ -10,6 +10,11 @@ arrive while an update runs are coalesced: only the newest pending one is loaded
 engine load is logged, counted and reported in ``state()``; the proxy still resumes (tokens are
 tagged by the engine with the version it really used, so records stay truthful).
 
+Live updates (``controller.live``): no pause and no abort; the engines load while generations
+run (the engine swaps between decode steps, ``continue_across_weight_updates``), and
+``current_version`` is set once they have. ``pause_seconds_total`` then stays 0: nothing waited;
+``load_seconds_total`` counts every update either way.
+
 Catch-up: every version updated to becomes the controller's ``target`` (even if no engine could
 load it at that moment); an engine that fails to load it, or that the controller later finds behind (restarted, loaded elsewhere), is held back from
 routing and gets ``catch_up``: one load of the applied version, serialised with updates, retried
@@ -45,7 +50,8 @@ class WeightUpdater:
         self._catching_up: dict[str, asyncio.Task[None]] = {}
         self.check_timeout_s = 5.0  # a version probe of a stopped (SIGSTOP) engine must not hang a catch-up
         self.last: dict[str, Any] = {}  # outcome of the last update, for /v1/rollout/state
-        self.pause_seconds_total = 0.0  # wall-clock of every update (pause + loads + resume), summed
+        self.pause_seconds_total = 0.0  # wall-clock of every paused update (pause + loads + resume), summed
+        self.load_seconds_total = 0.0  # wall-clock of every update, paused or live
         self.updates_total = 0  # updates applied (attempted), for the time decomposition
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -76,10 +82,12 @@ class WeightUpdater:
                 log.exception("weight update version=%s failed", wv.version)
 
     async def apply(self, wv: WeightVersion) -> dict[str, Any]:
-        """Pause, load ``wv`` into every engine, resume; returns the outcome per engine."""
+        """Pause (unless live), load ``wv`` into every engine, resume; returns the outcome per engine."""
         async with self._lock:
             start = time.monotonic()
-            pause = await self.controller.pause(WEIGHT_UPDATE, reason=f"weights version={wv.version}")
+            live = self.controller.live
+            pause: dict[str, Any] = ({"quiesced": True, "preempted_request_ids": []} if live else
+                                     await self.controller.pause(WEIGHT_UPDATE, reason=f"weights version={wv.version}"))
             results: dict[str, str] = {}
             try:
                 outcomes = await asyncio.gather(*(self._load(url, wv) for url in self.client.engines))
@@ -97,12 +105,18 @@ class WeightUpdater:
                             await self.controller.mark_synced(url, wv.version)
                         else:
                             self.controller.mark_behind(url, f"weights version={wv.version} not loaded ({r})")
-                await self.controller.resume(WEIGHT_UPDATE, version=wv.version if ok else None)
+                if not live:
+                    await self.controller.resume(WEIGHT_UPDATE, version=wv.version if ok else None)
+                elif ok:
+                    self.controller.set_current(wv.version)
             if ok:
                 self.applied = wv.version
-            self.pause_seconds_total += time.monotonic() - start
+            self.load_seconds_total += time.monotonic() - start
+            if not live:
+                self.pause_seconds_total += time.monotonic() - start
             self.updates_total += 1
-            self.last = {"version": wv.version, "step": wv.step, "engines": results, "quiesced": pause["quiesced"],
+            self.last = {"version": wv.version, "step": wv.step, "engines": results, "live": live,
+                         "quiesced": pause["quiesced"],
                          "preempted": len(pause["preempted_request_ids"]), "seconds": round(time.monotonic() - start, 3)}
             log.info("weights version=%s step=%d loaded: %s (preempted=%d, %.2fs)", wv.version, wv.step, results,
                      self.last["preempted"], self.last["seconds"])

@@ -62,19 +62,25 @@ def publish_b_midway(p: ProxyThread, engine: EngineProc, r: redis.Redis, keys: K
     publish_version(r, keys, WeightVersion(version="b", path=str(engine.second_dir), step=1, published_at=time.time()))
 
 
+def a_then_b(r: httpx.Response) -> tuple[dict[str, Any], int]:
+    """The response's meta_info and its count of "a" tokens: LONG tokens, some of "a", then the rest of "b"."""
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    versions = meta["output_token_versions"]
+    k = versions.count("a")
+    assert len(r.json()["output_ids"]) == LONG and 0 < k < LONG
+    assert versions == ["a"] * k + ["b"] * (LONG - k)  # one response, two versions, in order
+    return meta, k
+
+
 def test_generation_interrupted_by_a_published_version_resumes_on_the_new_weights(
         engine: EngineProc, redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys,
         pool: ThreadPoolExecutor) -> None:
     with proxy(engine, redis_server, keys, partial_rollout=True) as p:
         fut = long_request(pool, p.url, "traj-ab")
         publish_b_midway(p, engine, redis_client, keys)
-        r = fut.result()
-        assert r.status_code == 200, r.text
-        meta = r.json()["meta_info"]
+        meta, k = a_then_b(fut.result())
         versions = meta["output_token_versions"]
-        k = versions.count("a")
-        assert len(r.json()["output_ids"]) == LONG and 0 < k < LONG
-        assert versions == ["a"] * k + ["b"] * (LONG - k)  # one response, two versions, in order
         assert meta["preempts"] == 1 and meta["partial_rollout_chunks"][0]["preempted"]
         assert meta["partial_rollout_chunks"][0]["num_output_tokens"] == k
         (sample,) = httpx.get(f"{p.url}/v1/sessions/traj-ab").json()["samples"]
@@ -157,3 +163,52 @@ def test_operator_pause_aborts_on_the_engine_and_the_partial_tokens_are_kept(
         assert chunks[0]["preempted"] and chunks[0]["finish_reason"] == "abort" and chunks[0]["num_output_tokens"] > 0
         assert sum(c["num_output_tokens"] for c in chunks) == 1500 == len(r.json()["output_ids"])
         assert set(r.json()["meta_info"]["output_token_versions"]) == {"a"}
+
+
+def test_live_update_swaps_weights_under_a_running_generation_without_a_pause_or_preemption(
+        engine: EngineProc, redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys,
+        pool: ThreadPoolExecutor) -> None:
+    with proxy(engine, redis_server, keys, partial_rollout=True, weight_updates="live") as p:
+        fut = long_request(pool, p.url, "live-ab")
+        publish_b_midway(p, engine, redis_client, keys)
+        meta, _ = a_then_b(fut.result())  # swapped between two decode steps of one request
+        assert meta["preempts"] == 0 and len(meta["partial_rollout_chunks"]) == 1  # one rid, never aborted
+        state = p.state()
+        assert state["version"] == "b" and state["last_update"]["live"] and state["last_update"]["preempted"] == 0
+        assert state["weight_update_seconds_total"] == 0 and state["weight_load_seconds_total"] > 0
+        assert state["weight_updates_mode"] == "live" and engine.info()["weight_version"] == "b"
+        metrics = httpx.get(f"{p.url}/metrics").text
+        assert "dressage_proxy_preemptions_total 0.0" in metrics
+
+
+def test_live_update_enforces_the_span_limit_on_the_tokens_that_came_back(
+        engine: EngineProc, redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys,
+        pool: ThreadPoolExecutor) -> None:
+    with proxy(engine, redis_server, keys, partial_rollout=True, max_partial_rollout_preempts=0,
+               weight_updates="live") as p:
+        fut = long_request(pool, p.url, "live-span")
+        publish_b_midway(p, engine, redis_client, keys)
+        r = fut.result()
+        assert r.status_code == 502 and r.json()["error"]["code"] == "partial_rollout_staleness_exceeded"
+        assert r.json()["error"]["versions"] == ["a", "b"]
+        assert httpx.get(f"{p.url}/v1/sessions/live-span").json()["turns"] == 0  # nothing recorded
+
+
+def test_live_update_lets_a_non_partial_generation_finish_on_its_weights_then_swaps(
+        engine: EngineProc, redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys,
+        pool: ThreadPoolExecutor) -> None:
+    with proxy(engine, redis_server, keys, partial_rollout=False, weight_updates="live") as p:
+        first = httpx.post(f"{p.url}/v1/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 4}},
+                           headers={"X-Session-Id": "np-live-2turns"}, timeout=60)
+        assert first.status_code == 200
+        fut = long_request(pool, p.url, "np-live")
+        publish_b_midway(p, engine, redis_client, keys)
+        r = fut.result()
+        assert r.status_code == 200, r.text  # not preempted: the swap waited for it
+        assert set(r.json()["meta_info"]["output_token_versions"]) == {"a"} and len(r.json()["output_ids"]) == LONG
+        p.wait_state(lambda s: s["version"] == "b")
+        assert engine.info()["weight_version"] == "b"
+        ids = [5, *first.json()["output_ids"], 9]
+        second = httpx.post(f"{p.url}/v1/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4}},
+                            headers={"X-Session-Id": "np-live-2turns"}, timeout=60)
+        assert second.status_code == 502 and second.json()["detail"]["error"] == "trajectory_version_changed"

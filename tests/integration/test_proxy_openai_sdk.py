@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
@@ -96,8 +96,26 @@ def test_openai_sdk_stream_arrives_as_tokens_are_produced(proxy: ProxyThread) ->
     assert last.usage.completion_tokens == 300
 
 
-def test_streams_and_whole_answers_survive_continuous_weight_updates(proxy: ProxyThread, engine: EngineProc,
-                                                                     redis_server: RedisProcess, keys: Keys) -> None:
+@pytest.mark.parametrize("mode", ["pause", "live"])
+def test_streams_and_whole_answers_survive_continuous_weight_updates(engine: EngineProc, redis_server: RedisProcess,
+                                                                     keys: Keys, mode: Literal["pause", "live"]) -> None:
+    engine.reset("1")
+    cfg = ProxyConfig(engines=[engine.url], pause_timeout_s=10, max_partial_rollout_preempts=50, weight_updates=mode)
+    with ProxyThread(cfg, engine.model_dir, redis_server.port, keys) as proxy:
+        finals, whole = _generate_under_updates(proxy, engine, redis_server, keys)
+    assert all(f.choices[0].finish_reason == "length" for f in finals) and whole.choices[0].finish_reason == "length"
+    extras = [(f.model_extra or {})["dressage"] for f in [*finals, whole]]
+    preempts = [x["preempts"] for x in extras]
+    if mode == "pause":
+        assert sum(preempts) >= 1, preempts  # updates did land mid-generation, and nobody saw an abort
+    else:  # live: updates land between decode steps of running requests, which are never interrupted
+        assert preempts == [0] * 4 and all(len(x["partial_rollout_chunks"]) == 1 for x in extras), extras
+        assert max(len(x["versions"]) for x in extras) >= 2, extras
+
+
+def _generate_under_updates(proxy: ProxyThread, engine: EngineProc, redis_server: RedisProcess,
+                            keys: Keys) -> tuple[list[Any], Any]:
+    """Three streamed and one whole 400-token chat answer while a version is published every 0.4 s."""
     r = redis.Redis(port=redis_server.port)
     stop = threading.Event()
 
@@ -124,9 +142,7 @@ def test_streams_and_whole_answers_survive_continuous_weight_updates(proxy: Prox
     finally:
         stop.set()
         publisher.join(10)
-    assert all(f.choices[0].finish_reason == "length" for f in finals) and whole.choices[0].finish_reason == "length"
-    preempts = [(f.model_extra or {})["dressage"]["preempts"] for f in finals] + [(whole.model_extra or {})["dressage"]["preempts"]]
-    assert sum(preempts) >= 1, preempts  # updates did land mid-generation, and nobody saw an abort
+    return finals, whole
 
 
 def test_responses_and_messages_surfaces_through_their_sdks(proxy: ProxyThread) -> None:
