@@ -211,8 +211,10 @@ def redis_bytes(r: redis.Redis, n_samples: int, n_tokens: int, n_groups: int) ->
 
 def wait_cost(n: int) -> tuple[float, float]:
     """Median ms of one hand-off MULTI (XADD + HINCRBY) on a primary with one replica: without WAIT, with WAIT 1."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from redistopo import LocalSentinels
+
     from shared.redisconn import connect
-    from shared.redistopo import LocalSentinels
 
     fields = encode_entry(realistic_group())
     s = LocalSentinels("bench").start()

@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 import pytest
 import redis
 from harness import Cluster, Engine, wait_until
+from redistopo import LocalCluster, LocalSentinels
 
 from services.rollout_worker.fake_proxy import FakeProxy, serve
 from shared.redisconn import connect, run_prefix
-from shared.redistopo import LocalCluster, LocalSentinels
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version
 

@@ -1,7 +1,8 @@
 """Multi-node Redis on loopback from ``redis-server`` binaries: a 3-primary Cluster, a Sentinel group.
 
-For tests, benches and trying the URLs of ``shared.redisconn`` on one machine. Every process listens
-on 127.0.0.1 on a free port with its own directory; ``cleanup()`` kills what was started.
+Test infrastructure, so it lives in ``tests/`` (``bench/capacity.py`` puts ``tests/`` on its path): for
+tests, benches and trying the URLs of ``shared.redisconn`` on one machine. Every process listens on
+127.0.0.1 on a free port with its own directory; ``cleanup()`` kills what was started.
 
 * ``LocalCluster(n)``: n primaries with ``cluster-enabled yes``, the 16384 slots split evenly
   (CLUSTER ADDSLOTSRANGE), joined with CLUSTER MEET; ready when every node reports ``cluster_state:ok``.
