@@ -8,7 +8,9 @@ clear. Each service then connects as itself: ``redis://rollout-worker:<password>
 
 Every user: all commands except the ``@dangerous`` and ``@admin`` ones (no FLUSHALL, KEYS, CONFIG,
 DEBUG, SHUTDOWN, ...) and except PUBLISH; read-write on its own keys; read-only (``%R~``) on the
-weight-version keys and ``{p}:control`` -- so only the trainer can publish weights. ``default`` is
+weight-version keys and ``{p}:control`` -- so only the trainer can publish weights, and only the
+window-controller (``HGET``/``HSET``, for ``keep_versions``) writes ``{p}:control`` besides ops. Its user,
+like the service, is optional: rendered only when ``REDIS_PASSWORD_WINDOW_CONTROLLER`` is set. ``default`` is
 switched off. The rules follow the keys each service touches today (shared/keys.py and the
 service-private ``{p}:<service>:*`` keys); a service that starts using a new key needs a rule here.
 """
@@ -45,15 +47,21 @@ class Rule:
     rq: bool = False  # rq's own keys and channels (rq:*), any non-dangerous command on them only
 
 
+def _beat(service: str) -> tuple[str, tuple[str, ...]]:
+    """Its heartbeat key (DEL: its own beat at exit)."""
+    return f"+set +pexpire +expire +del {KV_READ}", (f"~health:{service}:*",)
+
+
 def _own(service: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Every pipeline service: its heartbeat key, metric reports (XADD to the capped stream) and counters."""
-    return ((f"+set +pexpire +expire +del {KV_READ}", (f"~health:{service}:*",)),  # DEL: its own beat at exit
+    return (_beat(service),
             (f"+xadd {STREAM_READ}", ("~metrics", "~dead")),  # dead letters: read by the brake and ops
             ("+hincrby +hset +hgetall +hget +hmget", ("~stats",)))
 
 
 # What each service does today (shared/keys.py and the service-private {p}:<service>:* keys).
-# Weight keys ({p}:weights:*) are writable by the trainer alone; {p}:control by no service (ops sets it as admin).
+# Weight keys ({p}:weights:*) are writable by the trainer alone; {p}:control by the window-controller alone
+# (and by the operator as admin).
 RULES: dict[str, Rule] = {
     "prompt-buffer": Rule(grants=(
         *_own("prompt-buffer"),
@@ -88,7 +96,14 @@ RULES: dict[str, Rule] = {
         *_own("eval-worker"),
         (f"{KV_READ} +srem", ("~eval:*",)),  # unpins the checkpoint it evaluated
     ), rq=True),
+    "window-controller": Rule(grants=(  # measures, then sets the window; writes no counter, no dead letter
+        _beat("window-controller"),
+        (f"+xadd {STREAM_READ}", ("~metrics", "~window_controller:*")),  # the trainer's reports; its decisions
+        ("+hmget", ("%R~stats",)),  # the collector's counters (drop rate)
+        ("+hget +hset", ("~control",)),  # keep_versions: the one write to {p}:control besides the admin's
+    )),
 }
+OPTIONAL = frozenset({"window-controller"})  # off by default: its user is rendered only when given a password
 OPS = "user ops on #{digest} resetkeys resetchannels -@all +@read +@connection +info %R~{prefix}:* %R~rq:*"
 USERS = (*RULES, "ops")
 
@@ -113,6 +128,7 @@ def user_line(service: str, prefix: str, password: str) -> str:
     selectors = [f"({commands} {_keys(prefix, keys)})" for commands, keys in rule.grants]
     if rule.rq:  # rq manages its keys with scripts and pipelines; confined to rq:* (scripts are ACL-checked too)
         selectors.append("(+@all -@dangerous -@admin ~rq:* &rq:*)")
+        root.append("+info|server")  # rq reads the server version (INFO server) on enqueue and in its worker
     return " ".join([*root, *channels, *selectors])
 
 
@@ -128,6 +144,8 @@ def render(prefix: str, passwords: Mapping[str, str], admin_password: str | None
         lines = [f"user default on #{digest} ~* &* +@all"]
     for service in USERS:
         pw = passwords.get(service, "")
+        if service in OPTIONAL and not pw:
+            continue
         if pw.strip().lower() in DEV_PASSWORDS or len(pw) < 12:
             raise ValueError(f"{env_name(service)}: a non-default password of at least 12 characters is required")
         lines.append(user_line(service, prefix, pw))

@@ -3,8 +3,8 @@
 * Every service logs in with ``REDIS_PASSWORD``; a wrong or missing one stops it at once (exit 2)
   with a message naming the setting — never a reconnect loop, never the secret itself.
 * ``redis.require_password`` refuses empty and well-known default passwords.
-* ``services.ops.acl`` (the one ACL definition): the whole pipeline runs under one ACL user per
-  service without a single denial, while every forbidden write of issue 16 is refused (the weight key
+* ``services.ops.acl`` (the one ACL definition): the whole pipeline, evaluation included (the
+  trainer's enqueue, the eval-worker's job), runs under one ACL user per service without a single denial, while every forbidden write of issue 16 is refused (the weight key
   by anyone but the trainer; the rollout worker's SET/DEL/XTRIM/EVAL on prompts, the collector's group),
   and the worker can do its own XREADGROUP/XADD/XACK.
 * msgpack bodies and containers beyond explicit limits are refused as ``MalformedEntry``;
@@ -21,7 +21,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from harness import Cluster
+from harness import Cluster, wait_until
 from rollout_factory import prompt_group
 
 from services.ops import acl as ops_acl
@@ -76,6 +76,7 @@ def test_require_password_refuses_a_missing_one_and_accepts_a_strong_one() -> No
 
 
 ACL_USERS = ("prompt-buffer", "rollout-worker", "group-collector", "trainer", "proxy", "eval-worker", "ops")
+EVAL_EVERY = 2  # the trainer queues an evaluation every 2 versions; the eval-worker runs it, each as itself
 
 
 def acl_file(users: dict[str, str], out: Path) -> Path:
@@ -86,17 +87,29 @@ def acl_file(users: dict[str, str], out: Path) -> Path:
     return out
 
 
+def evaluated(r: redis.Redis) -> set[bytes]:
+    """The versions whose evaluation was reported to ``{p}:metrics`` (by the job, as the eval-worker's user)."""
+    return {f[b"eval/version"] for _, f in r.xrange("dressage:metrics") if f.get(b"service") == b"eval"}
+
+
 def test_pipeline_runs_under_per_service_acl_users_and_each_forbidden_write_is_refused(
         make_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
     users = {u: secrets.token_hex(12) for u in ACL_USERS}
     acl = acl_file(users, tmp_path / "users.acl")
-    with make_cluster(rows=4, prefix="dressage", users=users, redis_extra=["--aclfile", str(acl)]) as c:
+    evaluation = {"eval": {"every_versions": EVAL_EVERY, "n_examples": 4, "batch_size": 4}}
+    with make_cluster(rows=4, prefix="dressage", users=users, redis_extra=["--aclfile", str(acl)],
+                      overrides=evaluation) as c:
         c.start_pipeline(workers=1)
+        c.start("eval-worker")
+        c.wait_up("eval-worker")
         c.wait_settled(timeout=120)
         assert c.verdict().ok, c.explain()
+        # Versions 2 and 4 (of 4 batches) were queued by the trainer and evaluated by the eval-worker.
+        wait_until(lambda: {b"2", b"4"} <= evaluated(c.r) and not c.r.smembers("dressage:eval:pinned"), 120,
+                   "versions 2 and 4 evaluated and unpinned", lambda: c.logs(["eval-worker", "trainer"]))
         # No legitimate command of any service was denied.
         denied = [e for e in c.r.acl_log(count=1000) if e["object"] != "client|setinfo"]
-        assert denied == [], denied
+        assert denied == [], [(e["username"], e["object"], e["count"]) for e in denied]
 
         def login(user: str) -> redis.Redis:
             return redis.Redis(port=c.redis.port, username=user, password=users[user])

@@ -1,5 +1,6 @@
 """The optional per-service Redis ACL on a real redis-server: a rollout worker does its job but can
-neither FLUSHALL nor publish weights; only the trainer publishes."""
+neither FLUSHALL nor publish weights; only the trainer publishes; the window-controller measures and
+sets ``keep_versions`` and writes nothing else."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import redis
 
 from services.ops import acl
+from services.window_controller.loop import WindowController, decisions_key
+from shared.config import WindowControllerConfig
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.redisproc import find_redis_server, free_port
 from shared.schemas import WeightVersion
@@ -109,8 +112,36 @@ def test_default_user_is_off(acl_server: tuple[int, dict[str, str]]) -> None:
         redis.Redis(port=port).ping()
 
 
+def test_window_controller_sets_the_window_and_writes_nothing_else(acl_server: tuple[int, dict[str, str]]) -> None:
+    report_metrics(client(acl_server, "trainer"), KEYS, "trainer", {"train/rollout_logprob_abs_diff": 0.5})
+    client(acl_server, "group-collector").hincrby(KEYS.custom("stats"), "groups_batched", 4)
+    wc = client(acl_server, "window-controller")
+    assert WindowController(wc, KEYS, WindowControllerConfig(enabled=True), 3, consumer="acl", burst=True).run() == 0
+    ops = client(acl_server, "ops")  # each write of its job landed (heartbeat and metrics fail only in the log)
+    assert ops.hget(f"{PREFIX}:control", "keep_versions") == b"3" and ops.xlen(decisions_key(KEYS)) == 1
+    assert ops.exists(KEYS.health("window-controller", "acl"))
+    assert [f[b"service"] for _, f in ops.xrange(KEYS.metrics)][-2:] == [b"trainer", b"window-controller"]
+    for attempt in (lambda: wc.set(f"{PREFIX}:weights:latest", "{}"), lambda: wc.xadd(KEYS.batches, {"x": "1"}),
+                    lambda: wc.hincrby(KEYS.custom("stats"), "groups_batched", 1), lambda: wc.delete(KEYS.metrics),
+                    lambda: wc.xadd(KEYS.dead, {"x": "1"}), lambda: wc.publish(f"{PREFIX}:weights", "{}"),
+                    lambda: wc.set(f"{PREFIX}:control", "x"), lambda: wc.xadd(KEYS.prompts, {"x": "1"})):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+
+
+def test_rq_users_read_the_server_version_and_no_other_info(acl_server: tuple[int, dict[str, str]]) -> None:
+    for user in ("trainer", "eval-worker"):  # rq asks INFO server for the Redis version
+        assert client(acl_server, user).info("server")["redis_version"]
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client(acl_server, user).info("clients")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client(acl_server, "rollout-worker").info("server")
+
+
 def test_weak_or_missing_passwords_are_refused(tmp_path: Path) -> None:
     good = {s: secrets.token_hex(16) for s in acl.USERS}
+    optional = {s: pw for s, pw in good.items() if s not in acl.OPTIONAL}
+    assert "user window-controller" not in acl.render(PREFIX, optional)  # off unless given a password
     with pytest.raises(ValueError, match="REDIS_PASSWORD_ROLLOUT_WORKER"):
         acl.render(PREFIX, {**good, "rollout-worker": "changeme"})
     with pytest.raises(ValueError, match="REDIS_PASSWORD_TRAINER"):
