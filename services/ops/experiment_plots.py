@@ -5,6 +5,8 @@
   one at or before t; the time axis ends where the shortest seed of the variant ends);
 * ``logprob_diff.png``: ``train_rollout_logprob_abs_diff`` per step;
 * ``version_gap.png``: the trainer's exact version-gap histogram, pooled over seeds, as fractions;
+* ``version_span.png``: the same for the version span of trained trajectories (distinct versions
+  over their tokens; what the partial-rollout span cap bounds);
 * ``time_split.png``: where the wall-clock went (trainer phases, engine busy) per variant.
 """
 
@@ -132,29 +134,32 @@ def plot_experiment(spec: Spec, rows: Sequence[dict[str, Any]], metrics: Mapping
     if ax.lines:
         ax.legend(fontsize=8)
     pngs.append(_save(fig, out / "logprob_diff.png"))
-    pngs.append(plot_gaps(spec, rows, metrics, out, colors))
+    pngs.append(plot_histogram(spec, rows, metrics, out / "version_gap.png", colors, series.GAP,
+                               "version gap at training time (pooled over seeds)", "versions behind"))
+    pngs.append(plot_histogram(spec, rows, metrics, out / "version_span.png", colors, series.SPAN,
+                               "version span of trajectories (pooled over seeds)", "distinct versions"))
     pngs.append(plot_time_split(spec, rows, out))
     return pngs
 
 
-def plot_gaps(spec: Spec, rows: Sequence[dict[str, Any]], metrics: Mapping[str, Sequence[Row]], out: Path,
-              colors: dict[str, str]) -> Path:
+def plot_histogram(spec: Spec, rows: Sequence[dict[str, Any]], metrics: Mapping[str, Sequence[Row]], path: Path,
+                   colors: dict[str, str], prefixes: Sequence[str], title: str, xlabel: str) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / max(1, len(spec.variants))
     for i, v in enumerate(spec.variants):
         hist: Counter[float] = Counter()
         for r in rows:
             if r.get("variant") == v:
-                hist.update(series.histogram(metrics.get(str(r.get("run_dir"))) or [], series.GAP))
+                hist.update(series.histogram(metrics.get(str(r.get("run_dir"))) or [], prefixes))
         total = sum(hist.values())
         if total:
             xs = sorted(hist)
             ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=v,
                    color=colors.get(v, "gray"))
-    ax.set(title="version gap at training time (pooled over seeds)", xlabel="versions behind", ylabel="fraction")
+    ax.set(title=title, xlabel=xlabel, ylabel="fraction")
     if ax.patches:
         ax.legend(fontsize=8)
-    return _save(fig, out / "version_gap.png")
+    return _save(fig, path)
 
 
 def plot_time_split(spec: Spec, rows: Sequence[dict[str, Any]], out: Path) -> Path:

@@ -25,7 +25,8 @@ from services.ops.series import Row, number, pick
 
 COUNTERS = {"groups_produced": "groups_produced", "groups_trained": "groups_trained",
             "groups_dropped": "groups_dropped_stale", "groups_reenqueued": "groups_reenqueued",
-            "groups_dead_lettered": "groups_dead_lettered"}
+            "groups_dead_lettered": "groups_dead_lettered",
+            "groups_span_rejected": "partial_rollout_rejected_groups"}  # the span cap acting
 
 
 def target_column(x: float) -> str:

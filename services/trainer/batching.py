@@ -23,7 +23,7 @@ import torch
 from services.trainer.loss import sample_advantages, train_masks, trajectory_rewards
 from shared.errors import DressageError
 from shared.schemas import Batch, RolloutGroup
-from shared.staleness import trajectory_version_infos
+from shared.staleness import trajectory_version_infos, trajectory_version_span
 from shared.versionbus import versions_behind
 
 
@@ -149,6 +149,13 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
 def version_gap_hist(batches: Sequence[Batch], current_version: int) -> dict[str, int]:
     """Trajectories per gap ``current_version - end version`` ({"0": n0, "1": n1, ...}) over the step."""
     return {str(g): n for g, n in sorted(Counter(_gaps(batches, current_version)).items())}
+
+
+def version_span_hist(batches: Sequence[Batch]) -> dict[str, int]:
+    """Trajectories per version span (distinct real versions over their tokens: 1 = one version,
+    2 = resumed across one update, ...) over the step ({"1": n1, "2": n2, ...})."""
+    spans = [n for batch in batches for group in batch.groups for n in trajectory_version_span(group).values()]
+    return {str(s): n for s, n in sorted(Counter(spans).items())}
 
 
 def version_gap(batches: Sequence[Batch], current_version: int) -> tuple[float, int] | None:

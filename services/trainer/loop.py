@@ -41,7 +41,7 @@ from typing import Any
 import redis
 import torch
 
-from services.trainer.batching import InvalidBatch, version_gap, version_gap_hist
+from services.trainer.batching import InvalidBatch, version_gap, version_gap_hist, version_span_hist
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_state
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
@@ -287,6 +287,8 @@ class TrainerLoop:
             metrics["train/version_gap_mean"], metrics["train/version_gap_max"] = gap
             # exact per-trajectory counts, so `dressage report` draws a true histogram
             metrics["train/version_gap_hist"] = version_gap_hist([batch], max(self.version, 0))
+        if spans := version_span_hist([batch]):
+            metrics["train/version_span_hist"] = spans  # the span cap's subject, per trajectory
         if published is not None:
             metrics["train/published_version"] = str(published)  # the per-version marker
         metrics.update(self.clock.snapshot())

@@ -86,7 +86,7 @@ def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path:
         assert 0.95 <= phases <= 1.0 + 1e-6, r  # the decomposition sums to the trainer's wall-clock
         assert 0.0 <= float(r["engine_busy_frac"]) <= 1.0
     for name in ("report.html", "results.md", "learning_vs_step.png", "learning_vs_wallclock.png",
-                 "logprob_diff.png", "version_gap.png", "time_split.png"):
+                 "logprob_diff.png", "version_gap.png", "version_span.png", "time_split.png"):
         assert (root / name).stat().st_size > 0, name
     results = (root / "results.md").read_text()
     assert "dressage experiment" in results and "git commit" in results and "cores" in results

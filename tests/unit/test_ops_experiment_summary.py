@@ -28,7 +28,7 @@ def run_rows(step_s: float, accs: dict[int, float]) -> list[dict[str, Any]]:
     rows += [{"service": "eval-worker", "ts": t0 + 50, "eval/version": str(v), "eval/accuracy": a}
              for v, a in accs.items()]
     rows.append({"service": "ops", "ts": t0 + 60, "stats/groups_produced": 20, "stats/groups_trained": 16,
-                 "stats/groups_dropped_stale": 1})
+                 "stats/groups_dropped_stale": 1, "stats/partial_rollout_rejected_groups": 3})
     return rows
 
 
@@ -44,6 +44,7 @@ def test_run_row_from_metric_rows() -> None:
     assert row["logprob_abs_diff_mean"] == pytest.approx(0.025)
     assert (row["groups_produced"], row["groups_trained"], row["groups_dropped"], row["groups_reenqueued"]) == \
         (20, 16, 1, 0)
+    assert row["groups_span_rejected"] == 3  # the span cap acting
     assert row["trainer_wait_frac"] == 0.5 and row["trainer_checkpoint_frac"] == 0.125
     assert list(row) == summ.columns([0.45, 0.9])
 

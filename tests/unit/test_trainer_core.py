@@ -223,6 +223,20 @@ def test_version_gap_hist_counts_trajectories_per_gap() -> None:
     assert sum(version_gap_hist([b], 4).values()) == len(gaps) > 0
 
 
+def test_version_span_hist_counts_trajectories_per_number_of_versions_they_span() -> None:
+    from services.trainer.batching import version_span_hist
+    from shared.staleness import sample_version_fields
+
+    b = batch("b1", n_groups=2)  # 2 groups x 4 one-version trajectories
+    assert version_span_hist([b]) == {"1": 8}
+    s = b.groups[0].samples[0]  # resumed across two updates: versions 0, 1, 2 over its response tokens
+    versions = ["-1"] * 5 + ["0", "1", "1", "2"]
+    s.token_versions, s.loss_mask = versions, [0] * 5 + [1] * 4
+    for k, v in sample_version_fields(s.loss_mask, versions).items():
+        setattr(s, k, v)
+    assert version_span_hist([b]) == {"1": 7, "3": 1}
+
+
 def test_a_frozen_commit_copy_does_not_follow_the_next_optimizer_step() -> None:
     from services.trainer.loop import _frozen
 
