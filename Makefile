@@ -27,14 +27,14 @@ tool-agent: venv
 	$(BIN)/dressage up --config configs/tool-agent.yaml --demo
 
 # mypy: shared/ and services/ strict (pyproject.toml); tests less strict (tests/mypy.ini), one run per test
-# directory (each has its own conftest); a type: ignore in shared/ or services/ must say why after it.
+# directory (each has its own conftest); a type: ignore in shared/, services/ or tests/ must say why after it.
 lint: venv
 	$(BIN)/ruff check shared services tests bench
 	$(BIN)/mypy shared services
 	$(BIN)/mypy --config-file tests/mypy.ini tests/unit tests/conftest.py tests/rollout_factory.py tests/trainer_factory.py
 	$(BIN)/mypy --config-file tests/mypy.ini tests/integration
 	$(BIN)/mypy --config-file tests/mypy.ini tests/chaos
-	@! grep -rnE --include='*.py' 'type: ignore(\[[^]]*\])? *$$' shared services || \
+	@! grep -rnE --include='*.py' 'type: ignore(\[[^]]*\])? *$$' shared services tests || \
 		(echo "type: ignore without a reason (add '  # why')"; exit 1)
 
 test: venv lint

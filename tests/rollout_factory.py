@@ -7,7 +7,7 @@ group's ``error_code`` is the text of ``error`` before its first ``:`` unless gi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from shared.schemas import PromptGroup, RolloutGroup, Sample
 
@@ -31,9 +31,9 @@ def prompt_group(group_id: str, attempt: int = 0, n_samples: int = 2, enqueued_a
 
 
 def rollout_group(group_id: str, versions: list[str | None], attempt: int = 0,
-                  status: str = "completed", error: str | None = None, error_code: str | None = None,
-                  retryable: bool = True, with_prompt: bool = True, started: float | None = 101.0,
-                  finished: float | None = 103.0) -> RolloutGroup:
+                  status: Literal["completed", "failed"] = "completed", error: str | None = None,
+                  error_code: str | None = None, retryable: bool = True, with_prompt: bool = True,
+                  started: float | None = 101.0, finished: float | None = 103.0) -> RolloutGroup:
     """A group with one trajectory per entry of ``versions`` (its end version)."""
     meta: dict[str, Any] = {}
     prompt = prompt_group(group_id, attempt, n_samples=max(1, len(versions))) if with_prompt else None
@@ -44,6 +44,6 @@ def rollout_group(group_id: str, versions: list[str | None], attempt: int = 0,
     if finished is not None:
         meta["rollout_finished_at"] = finished
     samples = [sample(f"{group_id}-a{attempt}-t{i}", v) for i, v in enumerate(versions)]
-    return RolloutGroup(group_id=group_id, prompt_id=f"p-{group_id}", attempt=attempt, status=status,  # type: ignore[arg-type]
+    return RolloutGroup(group_id=group_id, prompt_id=f"p-{group_id}", attempt=attempt, status=status,
                         error=error, error_code=error_code, retryable=retryable, prompt_group=prompt,
                         samples=samples, meta=meta)

@@ -32,7 +32,8 @@ def test_collector_and_trainer_killed_between_consuming_and_acknowledging_lose_a
         assert trainer_died(c) == -9, c.explain()
         c.faults.append("trainer:SIGKILL after_checkpoint")
         # The first batch is trained and in checkpoint v1, but neither acknowledged nor announced.
-        assert c.pending("batches", "trainer") == 1 and read_latest(c.r, c.keys).version == "0"  # type: ignore[union-attr]
+        latest = read_latest(c.r, c.keys)
+        assert c.pending("batches", "trainer") == 1 and latest is not None and latest.version == "0"
         # With the trainer gone the collector holds the next groups (read, unacknowledged): kill it then.
         wait_until(lambda: c.pending("rollouts", "collector") > 0, 60, "the collector to hold groups", c.explain,
                    period=0.02)

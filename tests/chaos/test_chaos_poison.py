@@ -105,12 +105,12 @@ def test_poison_on_every_consumed_stream_is_dead_lettered_once_and_valid_entries
         for stream, entries in valid.items():
             bad = poisons(entries[0], rng)
             for ok, fields in interleave(entries, bad):
-                eid = c.r.xadd(stream, fields).decode()  # type: ignore[arg-type]
+                eid = c.r.xadd(stream, fields).decode()
                 if not ok:
                     poison_ids[(stream, eid)] = fields
             if stream == c.keys.prompts:  # decodes, but no task takes its binary reference (it once crashed the
                 # worker): a failed attempt that no retry can fix, dead-lettered by the collector, not poison
-                c.r.xadd(stream, binary_reference(entry(prompt(7))))  # type: ignore[arg-type]
+                c.r.xadd(stream, binary_reference(entry(prompt(7))))
         last_poison = time.time()
         c.faults += [f"poison:{s.rsplit(':', 1)[1]}" for s, _ in poison_ids]
 
@@ -150,7 +150,7 @@ def test_poison_on_every_consumed_stream_is_dead_lettered_once_and_valid_entries
         for service, name in (("rollout-worker", "w1"), ("group-collector", "collector"), ("trainer", "trainer")):
             wait_until(lambda s=service, n=name: json.loads(c.r.get(c.keys.health(s, n)) or b"{}").get("ts", 0)  # type: ignore[misc]  # bound per loop step
                        > last_poison, 20, f"{name} heartbeat after the poison")
-        c.r.xadd(c.keys.prompts, encode_entry(prompt(9)))  # type: ignore[arg-type]
+        c.r.xadd(c.keys.prompts, encode_entry(prompt(9)))
         wait_until(lambda: "pa9" in groups_trained(), 60, "a valid entry after the poison", c.explain)
         c.assert_alive()
         h = c.verdict()
@@ -209,7 +209,7 @@ def outcome(r: fakeredis.FakeRedis, stream: str, fields: Fields, dispatch: Calla
     a trace of where it went (a downstream entry, one dead letter or a counted discard): never lost."""
     group = {K.prompts: GROUP_ROLLOUT, K.rollouts: GROUP_COLLECTOR, K.batches: GROUP_TRAINER}[stream]
     r.xgroup_setid(stream, group, "$")  # skip what other tests' dispatches appended: the next read is ours
-    eid = r.xadd(stream, fields)  # type: ignore[arg-type]
+    eid = r.xadd(stream, fields)
     got = r.xreadgroup(group, "fuzz", {stream: ">"}, count=1)  # pending for its consumer, as in the loop
     assert got[0][1][0][0] == eid
     last_dead = r.xrevrange(K.dead, count=1)

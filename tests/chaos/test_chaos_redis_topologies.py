@@ -44,7 +44,7 @@ class Deployment(Cluster):
     redis_extra_config: dict[str, Any] | None = None
 
     def client(self) -> redis.Redis:
-        return connect(self.url, socket_timeout=10)  # type: ignore[no-any-return]
+        return connect(self.url, socket_timeout=10)
 
     def _riding(self, read: Callable[[], T]) -> T:
         """The test's own reads ride out a failover (the services do it with their backoff)."""
@@ -109,10 +109,10 @@ def test_two_runs_on_a_three_primary_cluster(cluster: LocalCluster, model_dir: P
                                        overrides=extra))
             full, light = runs
             r = full.r
-            nodes = {r.get_node_from_key(d.keys.prompts).port for d in runs}  # type: ignore[attr-defined]
+            nodes = {r.get_node_from_key(d.keys.prompts).port for d in runs}
             assert len(nodes) == 2, "the two runs hash to different primaries"
             for d in runs:
-                assert len({r.keyslot(k) for k in (d.keys.prompts, d.keys.rollouts, d.keys.batches,  # type: ignore[attr-defined]
+                assert len({r.keyslot(k) for k in (d.keys.prompts, d.keys.rollouts, d.keys.batches,
                                                     d.keys.dead, d.keys.weights_latest, d.keys.custom("stats"))}) == 1
             full.start_pipeline(workers=1)
             publish_version(light.r, light.keys, WeightVersion(version="0", path="/x", step=0, published_at=0.0))

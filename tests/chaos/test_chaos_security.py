@@ -116,8 +116,10 @@ def test_pipeline_runs_under_per_service_acl_users_and_each_forbidden_write_is_r
         w = login("rollout-worker")
         # issue 16: every service but the trainer could SET the weight key; the worker could SET the prompts
         # stream to a string, read/ack in the collector's group, DEL, XTRIM to 0 and EVAL.
+        def set_weights_as(user: str) -> Callable[[], object]:
+            return lambda: login(user).set("dressage:weights:latest", "{}")
         forbidden: list[tuple[str, Callable[[], object]]] = [
-            (u, lambda u=u: login(u).set("dressage:weights:latest", "{}"))  # type: ignore[misc]
+            (u, set_weights_as(u))
             for u in ("proxy", "prompt-buffer", "group-collector", "rollout-worker", "eval-worker", "ops")]
         forbidden += [
             ("rollout-worker", w.flushall), ("rollout-worker", lambda: w.publish("dressage:weights", "{}")),
@@ -142,7 +144,7 @@ def test_pipeline_runs_under_per_service_acl_users_and_each_forbidden_write_is_r
         assert c.r.xlen("dressage:prompts") > 0 and c.r.type("dressage:prompts") == b"stream"  # nothing happened
         assert c.terminate("w1") == 0  # the real worker would take the entry below first
         fields = encode_entry(prompt_group("acl-g", 0))
-        eid = w.xadd("dressage:prompts", fields)  # type: ignore[arg-type]
+        eid = w.xadd("dressage:prompts", fields)
         got = w.xreadgroup("rollout", "acl-test", {"dressage:prompts": ">"}, count=10)
         assert eid in [e for e, _ in got[0][1]] and w.xack("dressage:prompts", "rollout", eid) == 1
         for p in c.procs.values():

@@ -38,7 +38,7 @@ def collector(r: redis.Redis, keys: Keys, keep: int = 2, per_batch: int = 2, ret
 
 
 def put(r: redis.Redis, keys: Keys, group: RolloutGroup) -> bytes:
-    return r.xadd(keys.rollouts, encode_entry(group))  # type: ignore[arg-type]
+    return r.xadd(keys.rollouts, encode_entry(group))
 
 
 def publish(r: redis.Redis, keys: Keys, *versions: int) -> None:
@@ -188,7 +188,7 @@ def test_poison_interleaved_with_valid_entries(redis_client: redis.Redis, keys: 
     junk = [{"body": os.urandom(64)}, {**encode_entry(good[0]), "body": encode_entry(good[0])["body"][:20]},
             {**encode_entry(good[0]), "kind": b"batch"}, {**encode_entry(good[1]), "group_id": b"other"}]
     for g, j in zip(good, junk, strict=True):
-        r.xadd(keys.rollouts, j)  # type: ignore[arg-type]
+        r.xadd(keys.rollouts, j)
         put(r, keys, g)
     collector(r, keys, per_batch=2, max_ready=10).run()
     assert batches(r, keys) == [["g0:0", "g1:0"], ["g2:0", "g3:0"]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
 import redis
 from rollout_factory import rollout_group
 
@@ -15,7 +16,7 @@ from services.ops.decisionlog import DecisionFile, load_records, read_stream
 from shared.codec import encode_entry
 from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys
-from shared.schemas import WeightVersion
+from shared.schemas import RolloutGroup, WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
 from shared.versionbus import publish_version
 from shared.window_decisions import replay
@@ -29,9 +30,9 @@ def run_collector(r: redis.Redis, keys: Keys, keep: int) -> None:
                    StalenessSection(keep_versions=keep), consumer="c1", burst=True).run()
 
 
-def put(r: redis.Redis, keys: Keys, *groups: object) -> None:
+def put(r: redis.Redis, keys: Keys, *groups: RolloutGroup) -> None:
     for g in groups:
-        r.xadd(keys.rollouts, encode_entry(g))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts, encode_entry(g))
 
 
 def publish(r: redis.Redis, keys: Keys, *versions: int) -> None:
@@ -86,8 +87,8 @@ def test_replay_with_the_runs_own_window_reproduces_every_decision(redis_client:
     assert replay_cli.main([str(tmp_path)]) == 0
 
 
-def test_replay_under_other_windows_names_the_groups_that_flip(redis_client: redis.Redis, keys: Keys,
-                                                               tmp_path: Path, capsys: object) -> None:
+def test_replay_under_other_windows_names_the_groups_that_flip(
+        redis_client: redis.Redis, keys: Keys, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     recorded_run(redis_client, keys)
     records = [rec for _, rec in read_stream(redis_client, keys)]
     tight = replay(records, 1)  # only gap 0 survives
@@ -100,7 +101,7 @@ def test_replay_under_other_windows_names_the_groups_that_flip(redis_client: red
     assert sorted((x.group_id, x.attempt) for x in wide.would_keep) == [("C", 0), ("C", 1), ("E", 0)]
     DecisionFile(tmp_path / "decisions.jsonl").pull(redis_client, keys)
     assert replay_cli.main([str(tmp_path), "--keep-versions", "1", "0"]) == 0
-    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
     assert "group_id=D attempt=0" in out and "keep_versions=0" in out
 
 

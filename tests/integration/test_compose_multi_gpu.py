@@ -26,7 +26,7 @@ def multi() -> dict[str, Any]:
                           "-f", str(REPO / "docker-compose.multi-gpu.yml"), "--profile", "gpu", "config",
                           "--format", "json"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["services"]  # type: ignore[no-any-return]
+    return json.loads(out.stdout)["services"]
 
 
 def gpus(svc: dict[str, Any]) -> list[str]:

@@ -57,9 +57,9 @@ def test_nan_reward_and_absurd_attempt_are_dead_lettered_and_never_trained(
 
     rng = random.Random(0)
     for i, entry in enumerate([forged("nan-reward", rng, reward=math.nan), forged("huge-attempt", rng, attempt=2**63)]):
-        r.xadd(keys.rollouts, encode_entry(group(f"g{2 * i}", rng)))  # type: ignore[arg-type]
-        r.xadd(keys.rollouts, entry)  # type: ignore[arg-type]
-        r.xadd(keys.rollouts, encode_entry(group(f"g{2 * i + 1}", rng)))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts, encode_entry(group(f"g{2 * i}", rng)))
+        r.xadd(keys.rollouts, entry)
+        r.xadd(keys.rollouts, encode_entry(group(f"g{2 * i + 1}", rng)))
     config = tmp_path / "collector.yaml"
     config.write_text(f"redis: {{url: '{redis_server.url}', prefix: '{keys.prefix}'}}\n"
                       "train: {groups_per_batch: 2}\nstaleness: {keep_versions: 2}\n"

@@ -28,7 +28,7 @@ def kwargs(ckpt: Path, dataset: Path, **extra: object) -> dict[str, object]:
 
 def run_once(r: redis.Redis, keys: Keys, tmp_path: Path, enqueue: dict[str, object]) -> Job:
     queue = f"{keys.prefix}-eval"
-    job = Queue(queue, connection=r, serializer=SERIALIZER).enqueue_call(**enqueue)  # type: ignore[arg-type]
+    job = Queue(queue, connection=r, serializer=SERIALIZER).enqueue_call(**enqueue)
     policy = JobPolicy(checkpoint_root=str(tmp_path / "ckpt"), data_root=str(tmp_path / "data"))
     assert run_worker(build_worker(r, keys, queue, "w1", 15.0, policy=policy), burst=True) == 0
     job.refresh()
@@ -37,7 +37,7 @@ def run_once(r: redis.Redis, keys: Keys, tmp_path: Path, enqueue: dict[str, obje
 
 def refused_with(job: Job, words: str) -> None:
     assert job.get_status() == JobStatus.FAILED
-    text = job.latest_result().exc_string  # type: ignore[union-attr]
+    text = job.latest_result().exc_string
     assert "JobRefused" in text and words in text, text
 
 

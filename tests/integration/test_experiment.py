@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,11 @@ def start(spec: Path, out: Path, log: Path) -> subprocess.Popen[bytes]:
                                  "--quiet"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
 
 
-def wait_for(predicate: object, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+def wait_for(predicate: Callable[[], object], timeout: float, proc: subprocess.Popen[bytes],
+             log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return
         assert proc.poll() is None, f"runner exited early:\n{log.read_text()[-3000:]}"
         time.sleep(0.5)

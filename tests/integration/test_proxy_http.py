@@ -16,6 +16,7 @@ import openai
 import pytest
 import redis
 import yaml
+from openai.types.chat import ChatCompletionMessageParam
 from proxy_support import REPO, EngineProc, ProxyThread, free_port, start_engine, wait_healthy
 from pydantic import SecretStr
 from waits import wait_for
@@ -26,7 +27,7 @@ from shared.redisproc import RedisProcess
 
 KEY = "proxy-test-key-0123456789"
 OPERATOR_KEY = "operator-key-for-tests-0123"
-MSG = [{"role": "user", "content": "abc"}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "abc"}]
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +40,23 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProc]:
 def test_openai_client_end_to_end_through_a_session_scoped_base_url(engine: EngineProc) -> None:
     with ProxyThread(ProxyConfig(engines=[engine.url], api_key=SecretStr(KEY)), engine.model_dir) as p:
         client = openai.OpenAI(base_url=f"{p.url}/s/agent-7/v1", api_key=KEY, max_retries=0)
-        first = client.chat.completions.create(model="policy", messages=MSG, max_tokens=12)  # type: ignore[arg-type]
+        first = client.chat.completions.create(model="policy", messages=MSG, max_tokens=12)
         reply = first.choices[0].message.content or ""
         assert first.object == "chat.completion" and 1 <= (first.usage.completion_tokens if first.usage else 0) <= 12
-        msgs = [*MSG, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
-        stream = client.chat.completions.create(model="policy", messages=msgs, max_tokens=12, stream=True)  # type: ignore[arg-type]
-        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)  # type: ignore[union-attr]  # stream=True: chunks
+        msgs: list[ChatCompletionMessageParam] = [
+            *MSG, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+        stream = client.chat.completions.create(model="policy", messages=msgs, max_tokens=12, stream=True)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         session = httpx.get(f"{p.url}/v1/sessions/agent-7", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert session["turns"] == 2 and session["num_segments"] == 1  # the 2nd prompt extends the 1st turn
         sample = session["samples"][0]
         assert sample["traj_id"] == "agent-7" and set(sample["token_versions"]) == {"-1", "a"}
-        n_second = sum(sample["loss_mask"]) - first.usage.completion_tokens  # type: ignore[union-attr]
+        assert first.usage is not None  # implied by the 1 <= completion_tokens check above
+        n_second = sum(sample["loss_mask"]) - first.usage.completion_tokens
         assert 1 <= n_second <= 12 and len(streamed) <= n_second
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{p.url}/v1", api_key="wrong", max_retries=0).chat.completions.create(
-                model="policy", messages=MSG)  # type: ignore[arg-type]
+                model="policy", messages=MSG)
 
 
 def test_bad_input_and_over_capacity_paths_on_a_real_server(engine: EngineProc) -> None:

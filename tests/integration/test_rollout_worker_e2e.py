@@ -144,7 +144,7 @@ def stack(redis_server: RedisProcess, tmp_path_factory: pytest.TempPathFactory) 
 def enqueue(r: redis.Redis, keys: Keys, groups: list[dict[str, Any]]) -> None:
     ensure_group(r, keys.prompts, GROUP_ROLLOUT)
     for g in groups:
-        r.xadd(keys.prompts, encode_entry(PromptGroup(enqueued_at=time.time(), **g)))  # type: ignore[arg-type]
+        r.xadd(keys.prompts, encode_entry(PromptGroup(enqueued_at=time.time(), **g)))
 
 
 def collect(r: redis.Redis, keys: Keys, max_retries: int) -> None:

@@ -93,7 +93,7 @@ def enqueue(r: redis.Redis, keys: Keys, n: int, **kw: Any) -> list[PromptGroup]:
         digits = str(100 + i)
         g = PromptGroup(**{"group_id": f"g{i}", "prompt_id": f"p{i}", "task": "reverse", "prompt": f"reverse {digits}",
                            "reference": digits[::-1], "n_samples": 2, "enqueued_at": time.time(), **kw})
-        r.xadd(keys.prompts, encode_entry(g))  # type: ignore[arg-type]
+        r.xadd(keys.prompts, encode_entry(g))
         groups.append(g)
     return groups
 

@@ -35,11 +35,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def push(r: redis.Redis, keys: Keys, *batch_ids: str) -> list[bytes]:
-    return [r.xadd(keys.batches, batch_fields(b)) for b in batch_ids]  # type: ignore[misc]
+    return [r.xadd(keys.batches, batch_fields(b)) for b in batch_ids]
 
 
 def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}  # type: ignore[union-attr]
+    return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}
 
 
 def pending(r: redis.Redis, keys: Keys) -> int:
@@ -54,7 +54,7 @@ def test_trainer_trains_checkpoints_publishes_and_dead_letters_poison(
     redis_client.xadd(keys.batches, {"schema": b"1", "kind": b"batch", "body": b"\xc1garbage"})
     bad = batch("b-bad")
     bad.groups[0].samples[0].token_ids[0] = 10_000  # outside the vocabulary
-    redis_client.xadd(keys.batches, encode_entry(bad))  # type: ignore[arg-type]
+    redis_client.xadd(keys.batches, encode_entry(bad))
     ids += push(redis_client, keys, "b3")
     try:
         assert open_trainer(cfg, redis_client, with_sinks=False).run(burst=True) == 0

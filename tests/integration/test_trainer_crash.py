@@ -47,7 +47,7 @@ def run_trainer(config: Path, fault: str | None = None) -> subprocess.CompletedP
 def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys,
               background: bool = False) -> tuple[Path, list[str]]:
     cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix, background_commit=background)
-    ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, N_BATCHES + 1)]  # type: ignore[arg-type, union-attr]
+    ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, N_BATCHES + 1)]
     return write_config_yaml(tmp_path / "cfg.yaml", cfg), ids
 
 
@@ -60,7 +60,7 @@ def check_history(r: redis.Redis, keys: Keys, store: CheckpointStore, ids: list[
     final = store.load_state(done[-1])
     assert final["step"] == N_BATCHES and final["batches_trained"] == N_BATCHES  # trained once each
     assert int(r.xpending(keys.batches, GROUP_TRAINER)["pending"]) == 0
-    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES  # type: ignore[arg-type]
+    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES
     assert not [p for p in store.root.iterdir() if p.name.startswith(".")]  # temp dirs cleaned up
 
 
@@ -154,7 +154,7 @@ def test_sigterm_stops_the_trainer_cleanly_with_exit_code_0(
         while published_versions(redis_client, keys) != ["0"] and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.1)
-        redis_client.xadd(keys.batches, batch_fields("b1"))  # type: ignore[arg-type]
+        redis_client.xadd(keys.batches, batch_fields("b1"))
         while published_versions(redis_client, keys) != ["0", "1"] and time.monotonic() < deadline:
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)

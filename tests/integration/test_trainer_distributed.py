@@ -145,7 +145,7 @@ def one_process(config: Path) -> subprocess.CompletedProcess[str]:
 def setup_run(tmp: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys) -> tuple[Path, list[str]]:
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = trainer_config(tmp, model_dir, server.url, keys.prefix)
-    ids = [r.xadd(keys.batches, batch_fields(f"b{i}", n_groups=2 + i % 2)).decode()  # type: ignore[arg-type, union-attr]
+    ids = [r.xadd(keys.batches, batch_fields(f"b{i}", n_groups=2 + i % 2)).decode()
            for i in range(1, N_BATCHES + 1)]
     return write_config_yaml(tmp / "cfg.yaml", cfg), ids
 
@@ -171,7 +171,7 @@ def test_torchrun_two_ranks_trains_the_stream_like_one_process(
     for keys in (k1, k2):
         assert published_versions(r, keys) == [str(v) for v in range(N_BATCHES + 1)]
         assert pending(r, keys) == []
-        assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES  # type: ignore[arg-type]
+        assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES
     two, one = final_weights(CheckpointStore(tmp_path / "two" / "ckpt")), final_weights(CheckpointStore(tmp_path / "one" / "ckpt"))
     for name, v in one.items():
         torch.testing.assert_close(two[name], v, rtol=1e-4, atol=1e-5)
@@ -189,7 +189,7 @@ def test_sigkill_of_one_rank_mid_step_acknowledges_nothing_and_the_run_resumes(
     assert published_versions(r, keys) == ["0", "1"]  # step 2 never published ...
     assert [i.version for i in store.complete()] == [0, 1]  # ... nor checkpointed ...
     assert pending(r, keys) == [ids[1]]  # ... nor acknowledged: b2 is still pending
-    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == 1  # type: ignore[arg-type]
+    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == 1
     assert "acknowledged batches entry_ids=" + ids[1] not in proc.stderr
 
     proc = torchrun(config)  # the restart (torchrun --max-restarts or the supervisor)

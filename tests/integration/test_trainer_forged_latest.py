@@ -38,20 +38,22 @@ def test_forged_latest_is_refused_counted_and_overwritten(redis_client: redis.Re
                                                            tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = trainer_config(tmp_path, model_dir, f"redis://127.0.0.1:{redis_client.connection_pool.connection_kwargs['port']}/0",
                          keys.prefix)
-    redis_client.xadd(keys.batches, batch_fields("b1"))  # type: ignore[arg-type]
+    redis_client.xadd(keys.batches, batch_fields("b1"))
     open_trainer(cfg, redis_client, with_sinks=False).run(burst=True)
-    assert read_latest(redis_client, keys).version == "1"  # type: ignore[union-attr]
+    latest = read_latest(redis_client, keys)
+    assert latest is not None and latest.version == "1"
     forge(redis_client, keys, tmp_path)  # mid-run: the next publish meets the forgery
-    redis_client.xadd(keys.batches, batch_fields("b2"))  # type: ignore[arg-type]
+    redis_client.xadd(keys.batches, batch_fields("b2"))
     open_trainer(cfg, redis_client, with_sinks=False).run(burst=True)  # a restart also reads the forgery
     latest = read_latest(redis_client, keys)
     assert latest is not None and latest.version == "2"  # its own next version, not 10**9 + 1
     assert Path(latest.path).name == "v00000002"
     forge(redis_client, keys, tmp_path)
-    redis_client.xadd(keys.batches, batch_fields("b3"))  # type: ignore[arg-type]
+    redis_client.xadd(keys.batches, batch_fields("b3"))
     trainer = open_trainer(cfg, redis_client, with_sinks=False)
     trainer.run(burst=True)  # survives: no VersionRegression
-    assert read_latest(redis_client, keys).version == "3"  # type: ignore[union-attr]
+    latest = read_latest(redis_client, keys)
+    assert latest is not None and latest.version == "3"
     own = [int(v) for v in published_versions(redis_client, keys) if v != str(10**9)]
     assert own == sorted(own) and sorted(set(own)) == [0, 1, 2, 3]  # re-announcing its newest after a forgery
     assert int(redis_client.hget(keys.custom("stats"), "forged_weights_latest") or 0) >= 2

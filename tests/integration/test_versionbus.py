@@ -67,7 +67,7 @@ def test_watcher_sees_versions_in_order_and_ignores_late_older_ones(redis_client
         watcher.stop()
 
 
-def test_disconnected_subscriber_catches_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_disconnected_subscriber_catches_up(tmp_path) -> None:
     server = RedisProcess(directory=tmp_path, appendonly=True).start()
     keys = Keys("catchup")
     try:

@@ -33,7 +33,7 @@ def test_a_tightened_window_reaches_the_collector_and_drops_the_groups_now_outsi
                                StalenessSection(keep_versions=3), consumer="c1", burst=True)
     collector.setup()
     for gid, version in (("old", "1"), ("new", "3")):
-        r.xadd(keys.rollouts, encode_entry(rollout_group(gid, [version])))  # type: ignore[arg-type]
+        r.xadd(keys.rollouts, encode_entry(rollout_group(gid, [version])))
     collector.step(None)
     assert sorted(a.group.group_id for a in core.waiting) == ["new", "old"]  # window {1, 2, 3}
 

@@ -81,7 +81,7 @@ def test_dead_letter_keeps_original_bytes() -> None:
     (lambda f: f.update(body=b"\xc1"), "msgpack"),
     (lambda f: f.update(group_id=b"other"), "group_id"),
 ])
-def test_poison_entries_raise_malformed_entry_naming_the_problem(mutate, needle) -> None:  # type: ignore[no-untyped-def]
+def test_poison_entries_raise_malformed_entry_naming_the_problem(mutate, needle) -> None:
     fields = dict(encode_entry(make_group()))
     mutate(fields)
     with pytest.raises(MalformedEntry) as info:
@@ -138,7 +138,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["group_id", "prompt_id", "attempt", "status", "samples", "meta", "error",
                                         "task", "n_samples", "prompt", "batch_id", "groups", "window"]), _json))
-def test_structured_garbage_only_ever_raises_malformed_entry(body: dict) -> None:  # type: ignore[type-arg]
+def test_structured_garbage_only_ever_raises_malformed_entry(body: dict) -> None:
     raw = msgpack.packb(body, use_bin_type=True)
     for kind in (PromptGroup, RolloutGroup, Batch):
         try:

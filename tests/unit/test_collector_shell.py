@@ -37,7 +37,7 @@ def collector(r: fakeredis.FakeRedis, keep: int = 2, per_batch: int = 2, retries
 
 
 def put(r: fakeredis.FakeRedis, group: RolloutGroup) -> bytes:
-    return r.xadd(K.rollouts, encode_entry(group))  # type: ignore[arg-type]
+    return r.xadd(K.rollouts, encode_entry(group))
 
 
 def publish(r: fakeredis.FakeRedis, *versions: int) -> None:
@@ -87,7 +87,7 @@ def test_poison_entries_are_dead_lettered_once_and_valid_ones_processed_in_order
               {**encode_entry(rollout_group("y", ["0"])), "schema": b"9"}]
     for i in range(3):
         put(r, rollout_group(f"g{i}", ["0"]))
-        r.xadd(K.rollouts, poison[i])  # type: ignore[arg-type]
+        r.xadd(K.rollouts, poison[i])
     put(r, rollout_group("g3", ["0"]))
     collector(r, per_batch=2, max_ready=5).run()
     assert [[g.group_id for g in b.groups] for b in batches(r)] == [["g0", "g1"], ["g2", "g3"]]

@@ -9,7 +9,7 @@ from shared.evaluation import enqueue_eval, pinned_checkpoints, run_eval_job
 from shared.modeling.loading import ModelNotFound
 
 
-def test_enqueue_pins_and_a_failed_job_unpins(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_enqueue_pins_and_a_failed_job_unpins(tmp_path) -> None:
     r = fakeredis.FakeRedis()
     ckpt = str(tmp_path / "v00000003")
     enqueue_eval(r, "q", ckpt, "3", 3, "data/reverse/test.jsonl", 4, "pfx")

@@ -29,7 +29,7 @@ def r() -> fakeredis.FakeRedis:
 
 def enqueue(r: fakeredis.FakeRedis, gid: str, attempt: int = 0, consume: bool = True) -> bytes:
     """Put an attempt on {p}:prompts; ``consume`` reads and acknowledges it (a worker handled it)."""
-    eid: bytes = r.xadd(K.prompts, encode_entry(prompt_group(gid, attempt)))  # type: ignore[arg-type]
+    eid: bytes = r.xadd(K.prompts, encode_entry(prompt_group(gid, attempt)))
     if consume:
         r.xreadgroup(GROUP_ROLLOUT, "w", {K.prompts: ">"})
         r.xack(K.prompts, GROUP_ROLLOUT, eid)
@@ -39,19 +39,19 @@ def enqueue(r: fakeredis.FakeRedis, gid: str, attempt: int = 0, consume: bool = 
 def batch(r: fakeredis.FakeRedis, bid: str, *gids: str, train: bool = True, record_groups: bool = True) -> None:
     b = Batch(batch_id=bid, groups=[rollout_group(g, ["0"]) for g in gids], trainer_version="0",
               window=Window(keep_versions=0))
-    eid = r.xadd(K.batches, encode_entry(b))  # type: ignore[arg-type]
+    eid = r.xadd(K.batches, encode_entry(b))
     r.xreadgroup(GROUP_TRAINER, "t", {K.batches: ">"})
     if train:
         r.xack(K.batches, GROUP_TRAINER, eid)
         fields = {"batch_ids": bid, "step": "1", "version": "1"}
         if record_groups:
             fields["group_ids"] = json.dumps(list(gids))
-        r.xadd(TRAINED, fields)  # type: ignore[arg-type]
+        r.xadd(TRAINED, fields)
 
 
 def dead(r: fakeredis.FakeRedis, gid: str, reason: str = "retries_exhausted") -> None:
     fields = encode_entry(prompt_group(gid, 2))
-    r.xadd(K.dead, dead_letter_fields(reason, "boom", K.prompts, "1-1", fields))  # type: ignore[arg-type]
+    r.xadd(K.dead, dead_letter_fields(reason, "boom", K.prompts, "1-1", fields))
 
 
 def test_a_clean_run_passes_with_its_figures(r: fakeredis.FakeRedis) -> None:
@@ -62,7 +62,7 @@ def test_a_clean_run_passes_with_its_figures(r: fakeredis.FakeRedis) -> None:
     enqueue(r, "g3", 2)
     batch(r, "b1", "g1", "g2")
     dead(r, "g3")
-    r.xadd(K.dead, dead_letter_fields("malformed", "bad", K.prompts, "9-9", {b"body": b"\xff"}))  # type: ignore[arg-type]
+    r.xadd(K.dead, dead_letter_fields("malformed", "bad", K.prompts, "9-9", {b"body": b"\xff"}))
     h = collect(r, K, max_retries=2)
     s = h.summary()
     assert h.ok, h.render()
@@ -135,7 +135,7 @@ def test_a_dead_lettered_batch_dead_letters_each_of_its_groups(r: fakeredis.Fake
     enqueue(r, "g1")
     enqueue(r, "g2")
     b = Batch(batch_id="b1", groups=[rollout_group("g1", ["0"]), rollout_group("g2", ["0"])], window=Window(keep_versions=0))
-    r.xadd(K.dead, dead_letter_fields("invalid_batch", "too long", K.batches, "5-0", encode_entry(b)))  # type: ignore[arg-type]
+    r.xadd(K.dead, dead_letter_fields("invalid_batch", "too long", K.batches, "5-0", encode_entry(b)))
     h = collect(r, K)
     assert h.dead == {"g1": ["invalid_batch"], "g2": ["invalid_batch"]} and h.poison == 0 and h.ok
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -99,9 +100,9 @@ def test_rows_carry_the_weight_of_their_trajectorys_gap() -> None:
     assert {r.weight for r in build_rows([b], True, False).rows} == {1.0}  # off: unweighted
 
 
-def learner(**cfg: object) -> Learner:
+def learner(**cfg: Any) -> Learner:
     model = build_model(SMALL_SPEC, VOCAB, 0, 2, seed=0)
-    return Learner(model, TrainConfig(micro_batch_size=4, lr=1e-2, **cfg), pad_id=0)  # type: ignore[arg-type]
+    return Learner(model, TrainConfig(micro_batch_size=4, lr=1e-2, **cfg), pad_id=0)
 
 
 def test_learner_reports_the_mean_weight_and_a_stale_batch_moves_the_weights_less() -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +25,8 @@ PY = sys.executable
 SLEEP = "import time\nwhile True: time.sleep(0.05)"
 
 
-def spec(name: str, code: str, tmp_path: Path, **kw: object) -> ProcessSpec:
-    return ProcessSpec(name=name, argv=[PY, "-c", code], log_path=tmp_path / f"{name}.log", **kw)  # type: ignore[arg-type]
+def spec(name: str, code: str, tmp_path: Path, **kw: Any) -> ProcessSpec:
+    return ProcessSpec(name=name, argv=[PY, "-c", code], log_path=tmp_path / f"{name}.log", **kw)
 
 
 def alive(pid: int) -> bool:
@@ -195,9 +196,10 @@ def test_partial_stop_then_before_stop_hook_then_full_stop(tmp_path: Path) -> No
     assert not alive(sup.pids()["evaluator"])  # the full stop after the hook
 
 
-def run_until_with_hook(sup: Supervisor, hook: object, timeout: float = 10.0) -> RunResult:
+def run_until_with_hook(sup: Supervisor, hook: Callable[[RunResult], None],
+                        timeout: float = 10.0) -> RunResult:
     deadline = time.monotonic() + timeout
-    return sup.run(stop_requested=lambda: time.monotonic() > deadline, before_stop=hook)  # type: ignore[arg-type]
+    return sup.run(stop_requested=lambda: time.monotonic() > deadline, before_stop=hook)
 
 
 def test_optional_service_that_keeps_failing_is_reported_not_fatal_and_comes_back(tmp_path: Path) -> None:

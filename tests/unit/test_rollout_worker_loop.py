@@ -56,7 +56,7 @@ def enqueue(r: redis.Redis, keys: Keys, n: int = 1, **kw: Any) -> list[PromptGro
                                 "prompt": f"reverse {digits}", "reference": digits[::-1], "n_samples": 2,
                                 "enqueued_at": 1.0}
         g = PromptGroup(**{**base, **kw})
-        r.xadd(keys.prompts, encode_entry(g))  # type: ignore[arg-type]
+        r.xadd(keys.prompts, encode_entry(g))
         out.append(g)
     return out
 

@@ -121,7 +121,7 @@ def test_observe_published_is_incremental_and_skips_non_real_labels() -> None:
     t = tracker(2)
     assert t.observe_published(["0", "1"])
     assert not t.observe_published(["0", "1"])
-    assert t.observe_published(["1", "2", "-1", None, " 3 "])  # type: ignore[list-item]
+    assert t.observe_published(["1", "2", "-1", None, " 3 "])
     assert t.versions == ["0", "1", "2", "3"]
 
 

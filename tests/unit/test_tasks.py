@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,10 +205,10 @@ def test_start_accepts_chat_messages_as_prompt() -> None:
     ],
 )
 def test_bad_reference_raises_named_error_naming_the_field(
-    name: str, prompt: object, reference: object, field: str
+    name: str, prompt: str | Sequence[Any], reference: object, field: str
 ) -> None:
     with pytest.raises(InvalidReference) as info:
-        get_task(name).start(prompt, reference)  # type: ignore[arg-type]
+        get_task(name).start(prompt, reference)
     assert info.value.field == field and field in str(info.value)
     assert isinstance(info.value, ValueError)
 

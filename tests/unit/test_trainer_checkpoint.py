@@ -25,11 +25,11 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def model_and_tok():  # type: ignore[no-untyped-def]
+def model_and_tok():
     return build_model(SMALL_SPEC, VOCAB, 0, 2, seed=1), build_tokenizer(64)
 
 
-def write(store: CheckpointStore, version: int, model_and_tok, state: dict | None = None):  # type: ignore[no-untyped-def]
+def write(store: CheckpointStore, version: int, model_and_tok, state: dict | None = None):
     model, tok = model_and_tok
 
     def save(d: Path) -> None:
@@ -39,7 +39,7 @@ def write(store: CheckpointStore, version: int, model_and_tok, state: dict | Non
     return store.write(version, version * 2, save, state or {"version": version, "ids": ["1-0"]})
 
 
-def test_written_checkpoint_is_complete_loadable_and_leaves_no_temp(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+def test_written_checkpoint_is_complete_loadable_and_leaves_no_temp(tmp_path: Path, model_and_tok) -> None:
     store = CheckpointStore(tmp_path)
     info = write(store, 3, model_and_tok)
     assert info.path == tmp_path / "v00000003" and info.step == 6
@@ -51,14 +51,14 @@ def test_written_checkpoint_is_complete_loadable_and_leaves_no_temp(tmp_path: Pa
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
 
 
-def test_a_version_directory_is_never_overwritten(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+def test_a_version_directory_is_never_overwritten(tmp_path: Path, model_and_tok) -> None:
     store = CheckpointStore(tmp_path)
     write(store, 1, model_and_tok)
     with pytest.raises(CheckpointError, match="already exists"):
         write(store, 1, model_and_tok)
 
 
-def test_temp_and_damaged_directories_are_never_loaded(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+def test_temp_and_damaged_directories_are_never_loaded(tmp_path: Path, model_and_tok) -> None:
     store = CheckpointStore(tmp_path)
     good = write(store, 1, model_and_tok)
     newer = write(store, 2, model_and_tok)
@@ -73,7 +73,7 @@ def test_temp_and_damaged_directories_are_never_loaded(tmp_path: Path, model_and
     assert not (tmp_path / ".tmp-v00000003-abc").exists()
 
 
-def test_manifest_must_name_its_own_directory(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+def test_manifest_must_name_its_own_directory(tmp_path: Path, model_and_tok) -> None:
     store = CheckpointStore(tmp_path)
     info = write(store, 4, model_and_tok)
     manifest = json.loads((info.path / MANIFEST).read_text())
@@ -82,7 +82,7 @@ def test_manifest_must_name_its_own_directory(tmp_path: Path, model_and_tok) -> 
     assert store.newest() is None
 
 
-def test_prune_keeps_the_newest_and_the_referenced(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+def test_prune_keeps_the_newest_and_the_referenced(tmp_path: Path, model_and_tok) -> None:
     store = CheckpointStore(tmp_path)
     infos = [write(store, v, model_and_tok) for v in range(5)]
     removed = store.prune(2, referenced=[infos[1].path])
@@ -91,7 +91,7 @@ def test_prune_keeps_the_newest_and_the_referenced(tmp_path: Path, model_and_tok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001", "v00000003", "v00000004"]
 
 
-def test_prune_checks_only_checkpoints_it_does_not_know(tmp_path: Path, model_and_tok) -> None:  # type: ignore[no-untyped-def]
+def test_prune_checks_only_checkpoints_it_does_not_know(tmp_path: Path, model_and_tok) -> None:
     store = CheckpointStore(tmp_path)
     for v in range(4):
         write(store, v, model_and_tok)
@@ -102,7 +102,7 @@ def test_prune_checks_only_checkpoints_it_does_not_know(tmp_path: Path, model_an
         checked.append(p.name)
         return real(p)
 
-    store._read_complete = spy  # type: ignore[method-assign]
+    store._read_complete = spy  # type: ignore[method-assign]  # test spy shadows the method
     store.prune(3)
     assert checked == []  # it wrote them all: nothing re-read
     # A checkpoint it did not write (another process's, or one from before a restart) is checked once;

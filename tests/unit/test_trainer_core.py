@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,9 +88,9 @@ def test_version_gap_is_current_minus_each_trajectory_end_version() -> None:
 # --- learner ---
 
 
-def tiny_learner(**cfg: object) -> Learner:
+def tiny_learner(**cfg: Any) -> Learner:
     model = build_model(SMALL_SPEC, VOCAB, 0, 2, seed=0)
-    return Learner(model, TrainConfig(micro_batch_size=3, lr=1e-2, **cfg), pad_id=0)  # type: ignore[arg-type]
+    return Learner(model, TrainConfig(micro_batch_size=3, lr=1e-2, **cfg), pad_id=0)
 
 
 def params(learner: Learner) -> torch.Tensor:
