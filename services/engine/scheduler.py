@@ -89,6 +89,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self._waiting: deque[Seq] = deque()
+        self._joining: list[Seq] = []  # admitted, being prefilled: in neither _waiting nor the batch yet
         self.batch = RunningBatch(runner, random.Random(seed))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,7 +192,8 @@ class Scheduler:
         return sum(len(s.req.input_ids) + len(s.out) for s in list(self.batch.rows))
 
     def counts(self) -> dict[str, Any]:
-        return {"running": len(self.batch), "waiting": len(self._waiting), "paused": self.paused,
+        # Read from other threads: a request being prefilled still counts as waiting (SGLang's queue).
+        return {"running": len(self.batch), "waiting": len(self._waiting) + len(self._joining), "paused": self.paused,
                 "swaps_pending": len(self._swaps),
                 "weight_version": self.weight_version, **self.stats}
 
@@ -268,6 +270,7 @@ class Scheduler:
                 for s in joiners:
                     if id(s) not in kept:
                         self._finish(s, abort_reason("engine error"))
+        self._joining = []
         if self.batch:
             self.stats["decode_steps"] += 1
             self._finish_all(self.batch.decode(self.weight_version))
@@ -320,13 +323,15 @@ class Scheduler:
             # they cost one prefill pass instead of one each (the batch keeps decoding meanwhile).
             return []
         joiners: list[Seq] = []
+        self._joining = joiners  # the same list: what is appended below is visible to counts() at once
         widest = 0
         while self._waiting and len(self.batch) + len(joiners) < self.max_batch_size:
             n = len(self._waiting[0].req.input_ids)
             if joiners and max(widest, n) * (len(joiners) + 1) > self.max_prefill_tokens:
                 break
             widest = max(widest, n)
-            joiners.append(self._waiting.popleft())
+            joiners.append(self._waiting[0])  # listed before it leaves the queue: never counted in neither
+            self._waiting.popleft()
         return joiners
 
     def _abort(self, match: Callable[[Seq], bool], message: str) -> int:

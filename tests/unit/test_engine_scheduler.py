@@ -421,3 +421,23 @@ def test_a_failing_prefill_fails_only_its_joiners(model: PreTrainedModel, sched:
     run_all(sched)
     assert got["joiner"].finish_reason == {"type": "abort", "message": "engine error"}
     assert got["running"].output_ids == reference(model, [4, 5], 8)  # its batch went on untouched
+
+
+def test_a_request_being_prefilled_is_still_counted(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/get_load and /v1/loads read counts() from another thread: a joiner mid-prefill is in neither
+    the queue nor the batch, and was once reported as gone (slime's drain check saw 2 of 3)."""
+    seen: list[dict[str, object]] = []
+    prefill = sched.runner.prefill
+
+    def observed(*args: object, **kwargs: object) -> object:
+        seen.append(sched.counts())  # what another thread would read during this prefill
+        return prefill(*args, **kwargs)  # type: ignore[arg-type]  # forwarded unchanged to the real method
+
+    monkeypatch.setattr(sched.runner, "prefill", observed)
+    got, done = Collector(), threading.Event()
+    for i, ids in enumerate(prompts(3)):
+        sched.submit(req(f"r{i}", ids, n=4), recorder(got, done, 3))
+    while sched.step():
+        pass
+    assert done.is_set() and seen
+    assert seen[0]["running"] == 0 and seen[0]["waiting"] == 3, seen  # the first prefill admits all three
