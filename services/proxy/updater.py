@@ -111,13 +111,14 @@ class WeightUpdater:
                     self.controller.set_current(wv.version)
             if ok:
                 self.applied = wv.version
-            self.load_seconds_total += time.monotonic() - start
+            elapsed = time.monotonic() - start
+            self.load_seconds_total += elapsed
             if not live:
-                self.pause_seconds_total += time.monotonic() - start
+                self.pause_seconds_total += elapsed
             self.updates_total += 1
             self.last = {"version": wv.version, "step": wv.step, "engines": results, "live": live,
                          "quiesced": pause["quiesced"],
-                         "preempted": len(pause["preempted_request_ids"]), "seconds": round(time.monotonic() - start, 3)}
+                         "preempted": len(pause["preempted_request_ids"]), "seconds": round(elapsed, 3)}
             log.info("weights version=%s step=%d loaded: %s (preempted=%d, %.2fs)", wv.version, wv.step, results,
                      self.last["preempted"], self.last["seconds"])
             return self.last

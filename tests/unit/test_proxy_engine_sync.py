@@ -22,10 +22,10 @@ SAMPLING = {"temperature": 1.0, "stop_token_ids": []}
 
 
 def setup(engines: dict[str, FakeEngine | None], max_preempts: int | None = None,
-          sync_wait_s: float = 5.0) -> tuple[GenerationController, WeightUpdater]:
+          sync_wait_s: float = 5.0, live: bool = False) -> tuple[GenerationController, WeightUpdater]:
     client = EngineClient(list(engines), transport=http_client(engines))
     ctl = GenerationController(client, ProxyMetrics(), max_preempts, request_timeout_s=10, pause_timeout_s=5,
-                               engine_sync_wait_s=sync_wait_s)
+                               engine_sync_wait_s=sync_wait_s, live_updates=live)
     updater = WeightUpdater(ctl, client, ctl.metrics)
     ctl.on_engine_behind = updater.catch_up
     return ctl, updater

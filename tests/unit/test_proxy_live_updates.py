@@ -6,29 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from proxy_fake_engine import FakeEngine, http_client
+from proxy_fake_engine import FakeEngine
+from test_proxy_engine_sync import setup, wv
 
 from services.proxy.controller import Generation, GenerationController
-from services.proxy.engine_client import EngineClient
-from services.proxy.metrics import ProxyMetrics
 from services.proxy.updater import WeightUpdater
-from shared.schemas import WeightVersion
 
 E1 = "http://engine-1"
 SAMPLING = {"temperature": 1.0, "stop_token_ids": []}
-
-
-def setup(eng: FakeEngine, live: bool, max_preempts: int | None = None) -> tuple[GenerationController, WeightUpdater]:
-    client = EngineClient([E1], transport=http_client({E1: eng}))
-    ctl = GenerationController(client, ProxyMetrics(), max_preempts, request_timeout_s=10, pause_timeout_s=5,
-                               live_updates=live)
-    updater = WeightUpdater(ctl, client, ctl.metrics)
-    ctl.on_engine_behind = updater.catch_up
-    return ctl, updater
-
-
-def wv(version: str) -> WeightVersion:
-    return WeightVersion(version=version, path=f"/ckpt/{version}", step=int(version), published_at=0.0)
 
 
 class Sink:
@@ -48,7 +33,7 @@ class Sink:
 def update_midway(live: bool, streamed: bool) -> tuple[Generation, FakeEngine, GenerationController, WeightUpdater,
                                                        list[int]]:
     eng = FakeEngine(version="1", step_s=0.003)
-    ctl, updater = setup(eng, live)
+    ctl, updater = setup({E1: eng}, live=live)
     sink = Sink() if streamed else None
 
     async def flow() -> Generation:
@@ -83,14 +68,14 @@ def test_pause_mode_still_aborts_and_resumes_from_the_tokens_held() -> None:
 
 def test_a_rid_is_stale_only_against_the_version_published_when_it_was_sent() -> None:
     eng = FakeEngine(version="7")
-    live, _ = setup(eng, live=True)
+    live, _ = setup({E1: eng}, live=True)
     live.set_target("8")
     live.current_version = "8"
     assert live.learn(E1, "7", floor="7")  # sent under 7, ended before the swap: current for it
     assert live.current_version == "8" and live.behind == set()  # never moved back
     assert not live.learn(E1, "6", floor="7") and live.behind == {E1}  # older than its own floor: stale
 
-    paused, _ = setup(FakeEngine(version="7"), live=False)
+    paused, _ = setup({E1: FakeEngine(version="7")}, live=False)
     paused.set_target("8")
     assert not paused.learn(E1, "7", floor="7") and paused.behind == {E1}  # pause mode: the target decides
 
@@ -99,7 +84,7 @@ def test_live_non_partial_chunks_do_not_opt_in_to_running_across_a_swap() -> Non
     bodies: dict[bool, list[dict[str, Any]]] = {}
     for live in (False, True):
         eng = FakeEngine(version="1", stop_after=3)
-        ctl, _ = setup(eng, live)
+        ctl, _ = setup({E1: eng}, live=live)
         for partial in (True, False):
             asyncio.run(ctl.generate(f"s-{partial}", [], [1], 5, SAMPLING, partial=partial))
         bodies[live] = eng.generate_bodies
