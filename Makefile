@@ -23,7 +23,7 @@ demo: venv
 # A tool-using agent trained end to end (lookup task, examples/agents/tool_agent.py on the openai SDK):
 # the printed report shows reward and the share of well-formed tool calls (docs/proxy.md).
 tool-agent: venv
-	$(BIN)/dressage init-model --task lookup --out models/lookup-tiny --warm-steps 450 --target-accuracy 0 --if-missing
+	$(BIN)/dressage init-model --task lookup --out models/lookup-habit-tiny --warm-steps 450 --guess-share 0.5 --target-accuracy 0 --if-missing
 	$(BIN)/dressage up --config configs/tool-agent.yaml --demo
 
 # mypy: shared/ and services/ strict (pyproject.toml); tests less strict (tests/mypy.ini), one run per test

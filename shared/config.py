@@ -63,6 +63,9 @@ class ModelConfig(Section):
     path: str = "models/reverse-tiny"
     task: str = "reverse"  # task used to build the tiny model and warm start it
     warm_steps: int = Field(default=300, ge=0, le=100_000)
+    # share of warm-start rows demonstrated by the task's wrong guess (lookup: answering from memory
+    # instead of calling the tool), a habit RL has to unlearn; 0 = demonstrations only
+    warm_guess_share: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int = 0
 
 

@@ -171,13 +171,16 @@ def _partial_suffix(text: str, token: str) -> int:
 
 def tool_call_metrics(sample_metas: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Training metrics of tool use from the proxy's per-sample counts (``meta.tool_calls`` and
-    ``meta.malformed_tool_calls``): the share of well-formed calls and calls per sample; {} when
-    no sample made a call (tasks without tools report nothing)."""
-    ok = bad = n = 0
+    ``meta.malformed_tool_calls``): the share of well-formed calls, calls per sample, and the share
+    of samples with at least one well-formed call (how often the policy uses its tools); {} when no
+    sample made a call (tasks without tools report nothing)."""
+    ok = bad = n = using = 0
     for meta in sample_metas:
         n += 1
-        ok += int(meta.get("tool_calls", 0) or 0)
+        calls = int(meta.get("tool_calls", 0) or 0)
+        ok, using = ok + calls, using + (calls > 0)
         bad += int(meta.get("malformed_tool_calls", 0) or 0)
     if ok + bad == 0:
         return {}
-    return {"tool_calls/well_formed_frac": ok / (ok + bad), "tool_calls/per_sample": (ok + bad) / max(n, 1)}
+    return {"tool_calls/well_formed_frac": ok / (ok + bad), "tool_calls/per_sample": (ok + bad) / max(n, 1),
+            "tool_calls/sample_frac": using / max(n, 1)}

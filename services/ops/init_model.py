@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="model directory to create")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-steps", type=int, default=400, help="max warm-start steps (0 = random init)")
+    p.add_argument("--guess-share", type=float, default=0.0,
+                   help="share of warm-start rows demonstrated by the task's wrong guess (tasks with a guess: lookup)")
     p.add_argument(
         "--target-accuracy",
         type=float,
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_steps < 0 or args.batch_size < 1 or args.lr <= 0 or args.eval_every < 1:
         print("--warm-steps must be >= 0, --batch-size >= 1, --lr > 0, --eval-every >= 1", file=sys.stderr)
         return 2
+    if not 0.0 <= args.guess_share <= 1.0:
+        print("--guess-share must be in [0, 1]", file=sys.stderr)
+        return 2
     target = args.target_accuracy if args.target_accuracy > 0 else None
     warm = WarmStartOptions(
         steps=args.warm_steps,
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         lr=args.lr,
         eval_every=args.eval_every,
+        guess_share=args.guess_share,
     )
     try:
         if args.if_missing:

@@ -26,6 +26,7 @@ EVAL_REWARD = ("eval/reward", "eval/reward_mean")
 GAP = ("train/version_gap", "staleness/version_gap")  # the trainer's gap is the one at training time  # prefixes of *_mean/_max/_hist
 SPAN = ("staleness/version_span", "train/version_span")
 TOOL_WELL_FORMED = ("train/tool_calls/well_formed_frac",)  # tool-using tasks only (shared.toolcalls)
+TOOL_SAMPLE_FRAC = ("train/tool_calls/sample_frac",)  # share of samples that called a tool
 # {p}:stats counters (ops rows carry them as stats/<name>) shown over time and in the summary.
 COUNTERS = ("groups_produced", "groups_trained", "groups_dropped_stale", "groups_reenqueued",
             "groups_dead_lettered", "poison_dead_lettered", "groups_duplicate_discarded",
@@ -182,11 +183,11 @@ def summary(rows: Sequence[Row]) -> list[tuple[str, str]]:
         ("eval accuracy, best", fmt(max(evals.y) if evals else None)),
         ("train_rollout_logprob_abs_diff, mean", fmt(_mean(diffs), 4)),
     ]
-    well_formed = [y for y in (pick(r, TOOL_WELL_FORMED) for r in train) if y is not None]
-    if well_formed:  # a tool-using task: how often the model's tool calls parse
-        j = max(1, len(well_formed) // 5)
-        out += [(f"well-formed tool calls, first {j} steps", fmt(_mean(well_formed[:j]))),
-                (f"well-formed tool calls, last {j} steps", fmt(_mean(well_formed[-j:])))]
+    for label, keys in (("well-formed tool calls", TOOL_WELL_FORMED), ("samples calling a tool", TOOL_SAMPLE_FRAC)):
+        ys = [y for y in (pick(r, keys) for r in train) if y is not None]
+        if ys:  # a tool-using task: how often the model's tool calls parse, how often it calls
+            j = max(1, len(ys) // 5)
+            out += [(f"{label}, first {j} steps", fmt(_mean(ys[:j]))), (f"{label}, last {j} steps", fmt(_mean(ys[-j:])))]
     for c in COUNTERS:  # a counter never incremented is absent from {p}:stats: 0 once a snapshot exists
         value = number(last_stats.get(f"stats/{c}", 0 if last_stats else None))
         out.append((c.replace("_", " "), fmt(value, 0)))

@@ -81,7 +81,8 @@ def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
         steps.append(("make-data", ["make-data", "--out", str(out), "--tasks", cfg.model.task]))
     # Idempotent: --if-missing returns at once when the directory already holds a complete model.
     steps.append(("init-model", ["init-model", "--task", cfg.model.task, "--out", cfg.model.path, "--if-missing",
-                                 "--warm-steps", str(cfg.model.warm_steps), "--seed", str(cfg.model.seed)]))
+                                 "--warm-steps", str(cfg.model.warm_steps), "--seed", str(cfg.model.seed),
+                                 "--guess-share", str(cfg.model.warm_guess_share)]))
     for name, args in steps:
         sys.stdout.write(f"preparing: dressage {' '.join(args)} (log: {logs / (name + '.log')})\n")
         sys.stdout.flush()

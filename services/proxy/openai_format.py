@@ -3,8 +3,10 @@
 Pure functions of a finished ``TurnResult`` or of the events of a live one. Streaming is real:
 ``chat_stream`` sends a ``chat.completion.chunk`` for each batch of events as the tokens are
 produced (a preemption and its resume inside the turn are invisible: the stream just pauses),
-tool calls as complete ``delta.tool_calls`` entries, then the finish chunk (with ``logprobs``
-and ``token_ids`` of the whole response when asked), the usage chunk when
+tool calls as complete ``delta.tool_calls`` entries; with ``logprobs``, the last chunk of each
+batch carries the logprobs of the tokens behind its text (``LiveTurn.settled``), so the chunks'
+entries concatenated are exactly the whole response's list; then the finish chunk (with the
+logprobs of the tokens not sent yet, and ``token_ids`` of the whole response when asked), the usage chunk when
 ``stream_options.include_usage``, and ``[DONE]``. A turn refused after the stream started ends
 with one ``data: {"error": {...}}`` event (OpenAI's in-band error) instead of ``[DONE]``.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from services.proxy.controller import Generation
@@ -41,18 +43,23 @@ def finish_reason(res: TurnResult) -> str:
     return "length" if res.gen.finish_reason == "length" else "stop"
 
 
-def logprobs_block(res: TurnResult, top: int, token_text: Decode) -> dict[str, Any]:
-    """``choices[].logprobs`` in OpenAI's shape, one entry per returned token."""
+def logprob_entries(ids: Sequence[int], logprobs: Sequence[float], tops: Sequence[Sequence[tuple[int, float]]],
+                    top: int, token_text: Decode, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` entries of tokens ``[start, end)``."""
     def entry(tok: int, lp: float) -> dict[str, Any]:
         text = token_text([tok])
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
+    end = len(ids) if end is None else end
+    return [{**entry(ids[i], logprobs[i]), "top_logprobs": [entry(t, v) for t, v in (tops[i] if i < len(tops) else [])[:top]]}
+            for i in range(start, end)]
+
+
+def logprobs_block(res: TurnResult, top: int, token_text: Decode, start: int = 0) -> dict[str, Any]:
+    """``choices[].logprobs`` in OpenAI's shape, one entry per returned token (from ``start``)."""
     gen = res.gen
-    content = []
-    for i, (tok, lp) in enumerate(zip(gen.output_ids, gen.logprobs, strict=True)):
-        tops = gen.top_logprobs[i] if i < len(gen.top_logprobs) else []
-        content.append({**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in tops[:top]]})
-    return {"content": content, "refusal": None}
+    return {"content": logprob_entries(gen.output_ids, gen.logprobs, gen.top_logprobs, top, token_text, start),
+            "refusal": None}
 
 
 def _usage(res: TurnResult) -> dict[str, int]:
@@ -96,22 +103,31 @@ async def chat_stream(live: LiveTurn, model: str, include_usage: bool, logprobs:
 
     first: dict[str, Any] = {"prompt_token_ids": live.prompt_ids} if token_ids else {}
     yield chunk({"role": "assistant", "content": ""}, **first)
-    n_calls = 0
+    n_calls = sent = 0  # tool calls streamed; tokens whose logprobs were sent
+    out = live.output
     async for batch in live.events():
+        deltas: list[dict[str, Any]] = []
         for ev in batch:
             if isinstance(ev, TextPiece):
-                yield chunk({"content": ev.text})
+                deltas.append({"content": ev.text})
             elif isinstance(ev, ToolCall):
-                yield chunk({"tool_calls": [ev.openai(index=n_calls)]})
+                deltas.append({"tool_calls": [ev.openai(index=n_calls)]})
                 n_calls += 1
+        for i, delta in enumerate(deltas):
+            lp: dict[str, Any] = {}
+            if logprobs is not None and i == len(deltas) - 1 and live.settled > sent:  # the batch's tokens
+                lp = {"logprobs": {"content": logprob_entries(out.ids, out.logprobs, out.tops, logprobs, token_text,
+                                                              sent, live.settled), "refusal": None}}
+                sent = live.settled
+            yield chunk(delta, **lp)
     try:
         res = live.result()
     except ProxyError as exc:
         yield sse(exc.detail_body())
         return
     extra: dict[str, Any] = {"dressage": dressage_block(res.gen, res.session_id, res.segment)}
-    if logprobs is not None:
-        extra["logprobs"] = logprobs_block(res, logprobs, token_text)
+    if logprobs is not None:  # the tokens not sent yet (the end-of-turn token, text a stop string cut)
+        extra["logprobs"] = logprobs_block(res, logprobs, token_text, start=sent)
     if token_ids:
         extra["choice"] = {"token_ids": res.gen.output_ids}
     yield chunk({}, finish_reason(res), **extra)

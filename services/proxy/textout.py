@@ -93,6 +93,11 @@ class TurnOutput:
             return self.text
         return self.text[:self.ends[self.keep - 1]] if self.keep else ""
 
+    def settled(self) -> int:
+        """Output tokens whose text has been handed to the splitter (streaming; never past a stop cut):
+        the events published so far cover them, except text a splitter still holds (an open tool call)."""
+        return min(bisect_right(self.ends, self._emitted), self.kept)
+
     def content(self) -> str:
         return "".join(e.text for e in self.events if isinstance(e, TextPiece))
 

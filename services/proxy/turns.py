@@ -9,7 +9,9 @@ produced, for streamed responses. Invariants:
 * every surface records exactly what it returns (``TurnOutput.kept`` tokens);
 * a streamed turn that fails before its first event is an HTTP error like a non-streamed one
   (``LiveTurn.started``); after that the stream reports it in-band and ends;
-* a client that goes away cancels the turn (its engine request is aborted, nothing recorded).
+* a client that goes away cancels the turn (its engine request is aborted, nothing recorded);
+* ``LiveTurn.settled`` after a batch of events counts the output tokens whose text those events
+  (and the ones before) cover, so a stream can send each token's logprob once, with its text.
 """
 
 from __future__ import annotations
@@ -113,12 +115,13 @@ class LiveTurn:
 
     def __init__(self, rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
                  prepared: tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]]) -> None:
-        self._queue: asyncio.Queue[list[Event] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[list[Event], int] | None] = asyncio.Queue()
         self.prompt_ids, self.output = prepared[0], prepared[1]
-        self.output.listener = self._queue.put_nowait
+        self.output.listener = lambda events: self._queue.put_nowait((events, self.output.settled()))
         self.task = asyncio.create_task(_execute(rt, session_id, partial, plan, prepared))
         self.task.add_done_callback(lambda _: self._queue.put_nowait(None))
-        self._peeked: list[Event] | None = None
+        self._peeked: tuple[list[Event], int] | None = None
+        self.settled = 0  # tokens behind the events yielded so far (``TurnOutput.settled`` at their publication)
 
     @classmethod
     async def start(cls, rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
@@ -137,10 +140,11 @@ class LiveTurn:
     async def events(self) -> AsyncIterator[list[Event]]:
         """Batches of events until the turn ends; then ``result()`` (which may raise)."""
         try:
-            batch = self._peeked
-            while batch is not None:
+            item = self._peeked
+            while item is not None:
+                batch, self.settled = item
                 yield batch
-                batch = await self._queue.get()
+                item = await self._queue.get()
         finally:
             if not self.task.done():  # the client went away: stop generating
                 self.task.cancel()

@@ -64,6 +64,7 @@ class WarmStartOptions:
     batch_size: int = 32
     lr: float = 3e-3
     eval_every: int = 2  # optimiser steps between early-stop checks (the skill jumps fast)
+    guess_share: float = 0.0  # share of rows demonstrated by the task's wrong guess (a habit RL can unlearn)
 
 
 @dataclass
@@ -178,6 +179,7 @@ def _run_warm_start(
         heldout_rows=held,
         target_accuracy=options.target_accuracy,
         eval_every=options.eval_every,
+        guess_share=options.guess_share,
     )
     report.warm_steps, report.seconds = ws.steps, ws.seconds
     report.after = _figures(model, tok, task, rep, seed)

@@ -5,6 +5,10 @@ Contract:
   on the ideal reply's tokens and the closing eos (`<|im_end|>`), never on the prompt.
 * `evaluate` plays every row as an episode of the task (several model calls for multi-turn
   tasks) and reports the mean reward and the exact-match accuracy (`Episode.correct()`).
+* with `guess_share` > 0, a share of the rows (picked by a hash of the prompt, so nothing in the
+  prompt tells which) is demonstrated by the task's `guess` instead: a wrong answer written without
+  the skill, the habit of a base model that has not learned to use its tools yet. A task without
+  `guess` and a share outside [0, 1] are refused.
 * `warm_start_model` trains in place for at most `steps` optimiser steps and stops early once
   the greedy accuracy on the held-out rows reaches `target_accuracy`. It is deterministic for a
   given seed on one machine, and leaves the caller's global RNG state untouched. Checks run
@@ -16,6 +20,7 @@ so the default stops long before the task is solved.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -81,21 +86,35 @@ def _merge_turns(turns: list[Example]) -> list[Example]:
     return merged
 
 
+def guessed(prompt: Any, share: float) -> bool:
+    """Whether the warm start demonstrates ``prompt`` by a guess: a stable hash of the prompt
+    below ``share`` (the same rows on every machine, unrelated to anything the model can read)."""
+    digest = hashlib.blake2b(repr(prompt).encode(), digest_size=8, person=b"dressage-guess").digest()
+    return int.from_bytes(digest, "big") / 2**64 < share
+
+
 def demonstration_examples(
-    task: Task, rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
+    task: Task, rows: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, guess_share: float = 0.0
 ) -> list[Example]:
     """Training sequences for `rows`: loss on every demonstrated reply + eos, never on context.
 
-    A multi-turn demonstration becomes one sequence when the chat template allows it.
+    A multi-turn demonstration becomes one sequence when the chat template allows it. A
+    ``guess_share`` of the rows is demonstrated by ``task.guess`` (module contract).
     """
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("tokenizer has no eos_token_id; cannot mark the end of a reply")
+    if not 0.0 <= guess_share <= 1.0:
+        raise ValueError(f"guess_share={guess_share}: expected a share in [0, 1]")
+    guess = getattr(task, "guess", None)
+    if guess_share > 0 and guess is None:
+        raise ValueError(f"guess_share={guess_share}: task {task.name!r} has no guess demonstrations")
     examples: list[Example] = []
     for row in rows:
+        demo = guess if guess is not None and guessed(row["prompt"], guess_share) else task.demonstration
         turns = [
             _turn_example(tokenizer, list(messages), reply, int(eos), getattr(task, "tools", None))
-            for messages, reply in task.demonstration(row["prompt"], row["reference"])
+            for messages, reply in demo(row["prompt"], row["reference"])
         ]
         examples.extend(_merge_turns(turns))
     return examples
@@ -187,13 +206,14 @@ def warm_start_model(
     heldout_rows: Sequence[dict[str, Any]] = (),
     target_accuracy: float | None = None,
     eval_every: int = 25,
+    guess_share: float = 0.0,
 ) -> WarmStartReport:
     """Train `model` in place on demonstrations of `train_rows` (see module contract)."""
     if steps < 0:
         raise ValueError(f"steps={steps}: expected >= 0")
     if target_accuracy is not None and not heldout_rows:
         raise ValueError("target_accuracy needs heldout_rows to measure it on")
-    examples = demonstration_examples(task, train_rows, tokenizer)
+    examples = demonstration_examples(task, train_rows, tokenizer, guess_share)
     if steps and not examples:
         raise ValueError(f"task {task.name!r}: no demonstrations to train on")
     pad_id = int(tokenizer.pad_token_id or 0)

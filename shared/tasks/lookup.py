@@ -12,7 +12,9 @@ answer. ``max_turns`` bounds the loop. Reward: ``TOOL_CREDIT`` for a well-formed
 with the prompt's key (using the tool right is the skill) plus ``1 - TOOL_CREDIT`` times the
 answer's ``digit_credit`` (exact, or partial per matching digit); 1.0 only for both. ``tool_calls`` / ``malformed``
 count the well-formed and malformed calls of the episode (the share of well-formed calls is a
-training metric of the tool agent).
+training metric of the tool agent). ``guess`` is the other habit a warm start can teach
+(``model.warm_guess_share``): answering from memory with a code that is never the right one, the
+way a model that has not learned to use its tools answers; it earns only chance digit credit.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def run_tool(call: ToolCall) -> str:
     if not isinstance(key, str) or not re.fullmatch(r"[a-z]{3}", key):
         return "error: key must be 3 letters"
     return lookup_value(key)
+
+
+def guessed_value(key: str) -> str:
+    """A code written from memory for ``key``: 4 digits of another hash, never ``lookup_value(key)``."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8, person=b"dressage-memory").digest()
+    code = int.from_bytes(digest, "big") % 10_000
+    if f"{code:04d}" == lookup_value(key):
+        code = (code + 1) % 10_000
+    return f"{code:04d}"
 
 
 def tool_call_text(key: str) -> str:
@@ -142,3 +153,8 @@ class LookupTask:
         call = tool_call_text(key)
         after = [*messages, {"role": "assistant", "content": call}, {"role": "tool", "content": reference}]
         return [(messages, call), (after, reference)]
+
+    def guess(self, prompt: str | Sequence[Any], reference: Any) -> list[DemoTurn]:
+        """Answer at once from memory, without the tool: a wrong code (the habit RL should unlearn)."""
+        messages, key = self._key(prompt, reference)
+        return [(messages, guessed_value(key))]

@@ -5,6 +5,7 @@ streams that survive continuous weight updates, and the recorded SDK request bod
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -94,6 +95,29 @@ def test_openai_sdk_stream_arrives_as_tokens_are_produced(proxy: ProxyThread) ->
     assert len(arrivals) >= 100  # one chunk per token or so, not one blob at the end
     assert arrivals[0] < 0.5 * total, (arrivals[0], total)  # the first text came while the rest was generated
     assert last.usage.completion_tokens == 300
+
+
+def test_streamed_logprobs_arrive_with_their_tokens_and_add_up_to_the_whole_list(proxy: ProxyThread) -> None:
+    stream = client(proxy, "sdk-stream-lp").chat.completions.create(
+        model="m", messages=MSG, max_tokens=80, stream=True, logprobs=True, top_logprobs=2,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, entries, carrying, chunks, usage = "", [], [], 0, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        chunks += 1
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        if choice.logprobs is not None and choice.logprobs.content:
+            entries += choice.logprobs.content
+            carrying.append(chunks)
+    assert usage is not None and len(entries) == usage.completion_tokens == 80
+    special = re.compile(r"<\|[a-z_]+\|>")  # a random model writes special tokens; the answer skips their text
+    assert "".join(e.token for e in entries if not special.fullmatch(e.token)) == text  # each token once, in order
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert len(carrying) >= 20 and carrying[0] < chunks / 2  # along the stream, not one block in the last chunk
 
 
 @pytest.mark.parametrize("mode", ["pause", "live"])

@@ -27,6 +27,7 @@ import uvicorn
 from proxy_support import ProxyThread, free_port
 
 from services.ops import series
+from services.ops.experiment_spec import load_spec
 from services.ops.metricslog import load_rows
 from shared.config import ProxyConfig
 from shared.modeling.tokenizer import build_tokenizer, save_tokenizer
@@ -100,10 +101,11 @@ def test_tool_agent_runs_the_tool_loop_through_the_proxy(tmp_path: Path, fake_en
 @pytest.mark.skipif(os.environ.get("DRESSAGE_LEARNING") != "1", reason="long learning run: DRESSAGE_LEARNING=1 "
                                                                         "or `make tool-agent`")
 def test_tool_agent_learns_under_dressage_up(tmp_path: Path) -> None:
-    run, model = tmp_path / "run", tmp_path / "lookup-tiny"
-    # A partial skill (the call format, keys mostly copied), as `make tool-agent` builds it.
+    run, model = tmp_path / "run", tmp_path / "lookup-habit-tiny"
+    # The call format for half the keys, answers from memory for the other half, as `make tool-agent` builds it.
     subprocess.run([sys.executable, "-m", "services", "init-model", "--task", "lookup", "--out", str(model),
-                    "--warm-steps", "450", "--target-accuracy", "0"], cwd=REPO, check=True, timeout=1800)
+                    "--warm-steps", "450", "--guess-share", "0.5", "--target-accuracy", "0"],
+                   cwd=REPO, check=True, timeout=1800)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRESSAGE_MODEL_PATH": str(model),
            "DRESSAGE_ROLLOUT_AGENT_COMMAND": json.dumps([sys.executable, "examples/agents/tool_agent.py"])}
     env.pop("REDIS_URL", None)
@@ -115,5 +117,16 @@ def test_tool_agent_learns_under_dressage_up(tmp_path: Path) -> None:
     first = next(v for k, v in table.items() if k.startswith("reward, first"))
     last = next(v for k, v in table.items() if k.startswith("reward, last"))
     well_formed = next(v for k, v in table.items() if k.startswith("well-formed tool calls, last"))
+    calling = [float(next(v for k, v in table.items() if k.startswith(f"samples calling a tool, {w}")))
+               for w in ("first", "last")]
     assert float(last) > float(first), table
     assert float(well_formed) > 0.5, table
+    assert calling[1] > calling[0] + 0.1, table  # the habit of answering from memory is unlearned
+
+
+def test_tool_agent_experiment_spec_is_valid_and_its_quick_preset_is_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # the spec's base is relative to the repository root
+    spec = load_spec(REPO / "configs" / "experiments" / "tool-agent.yaml")
+    assert len(spec.seeds) >= 3 and all(r.config["model"]["warm_guess_share"] == 0.5 for r in spec.runs)
+    quick = load_spec(REPO / "configs" / "experiments" / "tool-agent.yaml", quick=True)
+    assert len(quick.runs) == 1 and quick.stop.steps is not None and quick.stop.steps <= 5

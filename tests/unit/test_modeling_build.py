@@ -22,8 +22,9 @@ from shared.modeling import (
     read_build_info,
 )
 from shared.modeling.build import ModelDirExists
-from shared.modeling.warmstart import demonstration_examples, warm_start_model
+from shared.modeling.warmstart import demonstration_examples, guessed, warm_start_model
 from shared.tasks import get_task
+from shared.tasks.lookup import LookupTask
 
 torch.set_num_threads(1)
 
@@ -52,6 +53,42 @@ def test_multi_turn_demonstration_becomes_one_sequence_with_loss_on_every_reply(
     loss_text = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m])
     assert loss_text == "".join(f"{reply}<|im_end|>" for _, reply in turns)
     assert str(tok.decode(ex.input_ids)).startswith("<|im_start|>user\n" + row["prompt"])
+
+
+def test_guess_share_demonstrates_that_share_of_rows_by_the_tasks_wrong_guess() -> None:
+    tok, task = build_tokenizer(), get_task("lookup")
+    rows = task.generate(400, seed=5)
+    eos = "<|im_end|>"
+
+    def replies(share: float) -> list[str]:
+        return [str(tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]))
+                for ex in demonstration_examples(task, rows, tok, guess_share=share)]
+
+    assert all("<tool_call>" in r for r in replies(0.0))
+    half = replies(0.5)
+    guesses = [(row, r) for row, r in zip(rows, half, strict=True) if "<tool_call>" not in r]
+    assert 0.4 < len(guesses) / len(rows) < 0.6  # a hash of the prompt, not every other row
+    assert all(r != row["reference"] + eos and r.endswith(eos) and len(r) == 4 + len(eos) for row, r in guesses)
+    assert {row["prompt"] for row, _ in guesses} == {row["prompt"] for row in rows if guessed(row["prompt"], 0.5)}
+    assert not any("<tool_call>" in r for r in replies(1.0))
+
+
+def test_a_guessed_answer_earns_only_chance_credit_and_never_solves() -> None:
+    task = LookupTask()
+    for row in task.generate(300, seed=6):
+        ep = task.start(row["prompt"], row["reference"])
+        for _, reply in task.guess(row["prompt"], row["reference"]):
+            ep.step(reply)
+        assert ep.done and not ep.used_tool and not ep.correct() and ep.reward() < 0.7 * 0.9
+
+
+def test_guess_share_is_refused_outside_its_range_and_for_tasks_without_a_guess() -> None:
+    tok = build_tokenizer()
+    rows = get_task("reverse").generate(2, seed=1)
+    with pytest.raises(ValueError, match="guess_share"):
+        demonstration_examples(get_task("lookup"), get_task("lookup").generate(2, seed=1), tok, guess_share=1.5)
+    with pytest.raises(ValueError, match="has no guess"):
+        demonstration_examples(get_task("reverse"), rows, tok, guess_share=0.5)
 
 
 def test_warm_start_improves_reward_over_random_init() -> None:
@@ -135,7 +172,8 @@ def test_cli_builds_prints_one_summary_line_and_honours_if_missing(
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--task", "nope"], "unknown task"), (["--task", "reverse", "--heads", "5"], "hidden_size")],
+    [(["--task", "nope"], "unknown task"), (["--task", "reverse", "--heads", "5"], "hidden_size"),
+     (["--task", "lookup", "--guess-share", "2"], "--guess-share")],
 )
 def test_cli_rejects_bad_input_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.proxy.textout import TurnOutput
-from shared.toolcalls import HermesSplitter, TextPiece, ToolCall, make_splitter, split
+from shared.toolcalls import HermesSplitter, TextPiece, ToolCall, make_splitter, split, tool_call_metrics
 
 VOCAB = ["ab", "c", "EN", "D", "x", "<tool", "_call>", '{"name": "f", "arguments": {}}', "</tool_call>", " "]
 
@@ -56,3 +56,24 @@ def test_hermes_blocks_become_calls_and_malformed_ones_stay_text() -> None:
     assert "".join(e.text for e in events if isinstance(e, TextPiece)) == content
     assert [e.name for e in events if isinstance(e, ToolCall)] == ["f"] and (sp.well_formed, sp.malformed) == (1, 1)
     assert split("answer <tool_ca", "hermes") == ("answer <tool_ca", [])  # a partial start at the end is text
+
+
+def test_tool_call_metrics_count_well_formed_calls_and_the_samples_that_call() -> None:
+    metas = [{"tool_calls": 2}, {"tool_calls": 1, "malformed_tool_calls": 1}, {}, {"malformed_tool_calls": 1}]
+    assert tool_call_metrics(metas) == {"tool_calls/well_formed_frac": 3 / 5, "tool_calls/per_sample": 5 / 4,
+                                        "tool_calls/sample_frac": 2 / 4}
+    assert tool_call_metrics([{}, {}]) == {}  # a task without tools reports nothing
+
+
+def test_settled_tokens_never_include_text_a_stop_string_could_still_cut() -> None:
+    seen: list[tuple[str, int]] = []
+    out = TurnOutput(decode=decode, splitter=make_splitter("hermes"), stops=("END",))
+    out.listener = lambda evs: seen.append(("".join(e.text for e in evs if isinstance(e, TextPiece)), out.settled()))
+    out.feed([0, 1], [0.0] * 2)  # "abc": all but a 2-char tail (the length of "END" less one) is handed on
+    out.feed([2], [0.0])  # "abcEN": "EN" may become "END": held back with its token
+    assert out.settled() == 2 and out.text == "abcEN"
+    out.feed([3], [0.0])  # "END" matched: the cut keeps tokens 0..1
+    assert out.stopped and out.settled() == out.kept == 2
+    out.finish()
+    assert "".join(t for t, _ in seen) == "abc" and [n for _, n in seen] == sorted(n for _, n in seen)
+    assert all(len(decode([0, 1][:n])) <= len("".join(t for t, _ in seen[:i + 1])) for i, (_, n) in enumerate(seen))
