@@ -154,6 +154,17 @@ def make_splitter(parser: str | None) -> Splitter:
     raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
 
 
+def forced_prefix(parser: str, name: str | None) -> str:
+    """The start of a tool call the proxy writes for the model when the client forces one
+    (``tool_choice`` ``required`` / a named function): ``<tool_call>\n{"name": "`` and, for a named
+    function, its name and ``"arguments": `` too. The model writes the rest; the prefix is context,
+    never sampled, so the trainer never learns from it."""
+    if parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
+    head = '<tool_call>\n{"name": '
+    return head + (f'{json.dumps(name)}, "arguments": ' if name is not None else '"')
+
+
 def split(text: str, parser: str | None) -> tuple[str, list[ToolCall]]:
     """A whole text -> (content, tool calls): the non-streamed path of the same rules."""
     sp = make_splitter(parser)

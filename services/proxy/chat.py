@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.proxy.errors import UnsupportedParameter
-from services.proxy.schemas import ChatMessage, ChatRequest
-from services.proxy.turns import TurnPlan
+from services.proxy.schemas import ChatMessage, ChatRequest, NamedToolChoice
+from services.proxy.turns import TurnPlan, forced_tool
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
@@ -38,10 +38,12 @@ def template_message(m: ChatMessage, where: str) -> dict[str, Any]:
 
 
 def chat_plan(req: ChatRequest, default_max_tokens: int) -> TurnPlan:
-    if isinstance(req.tool_choice, str) and req.tool_choice == "required" or not isinstance(
-            req.tool_choice, str | None):
-        raise UnsupportedParameter("tool_choice", "forcing a tool call needs constrained decoding, which is not "
-                                                  "implemented; use \"auto\" or \"none\"")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    force = None
+    if req.tool_choice == "required":
+        force = forced_tool(tools, None)
+    elif isinstance(req.tool_choice, NamedToolChoice):
+        force = forced_tool(tools, str(req.tool_choice.function.get("name")))
     engine: dict[str, Any] = {}
     for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -57,8 +59,7 @@ def chat_plan(req: ChatRequest, default_max_tokens: int) -> TurnPlan:
     return TurnPlan(
         messages=[template_message(m, f"messages.{i}") for i, m in enumerate(req.messages)],
         max_new_tokens=req.new_tokens(default_max_tokens),
-        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-        parse_tools=req.tool_choice != "none", stops=req.stop_strings(), temperature=req.temperature,
+        tools=tools, force_tool=force, parse_tools=req.tool_choice != "none", stops=req.stop_strings(), temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, engine_params=engine,
         stop_token_ids=req.stop_token_ids, top_logprobs=top, stream=req.stream,
         skip_special_tokens=req.skip_special_tokens)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.proxy.errors import ProxyError, UnsupportedParameter
 from services.proxy.openai_format import dressage_block, sse
-from services.proxy.turns import LiveTurn, TurnPlan, TurnResult
+from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool
 from shared.toolcalls import TextPiece, ToolCall
 
 MESSAGES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -101,10 +101,11 @@ def messages_plan(req: MessagesRequest) -> TurnPlan:
         tools.append({"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                        "parameters": t.get("input_schema")}})
     choice = (req.tool_choice or {}).get("type", "auto")
-    if choice not in ("auto", "none"):
-        raise UnsupportedParameter("tool_choice", "forcing tool use needs constrained decoding, which is not "
-                                                  "implemented; use auto or none")
-    return TurnPlan(messages=messages_of(req), max_new_tokens=req.max_tokens, tools=tools or None,
+    if choice not in ("auto", "none", "any", "tool"):
+        raise UnsupportedParameter("tool_choice", f"tool_choice type {choice!r} is not one of auto, none, any, tool")
+    force = forced_tool(tools, None if choice == "any" else str((req.tool_choice or {}).get("name"))) \
+        if choice in ("any", "tool") else None
+    return TurnPlan(messages=messages_of(req), max_new_tokens=req.max_tokens, tools=tools or None, force_tool=force,
                     parse_tools=choice != "none", stops=tuple(req.stop_sequences or ()), temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stream=req.stream)
 

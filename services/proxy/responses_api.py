@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.proxy.errors import ProxyError, UnsupportedParameter
 from services.proxy.openai_format import dressage_block, sse
-from services.proxy.turns import LiveTurn, TurnPlan, TurnResult
+from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool
 from shared.toolcalls import TextPiece, ToolCall
 
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -99,11 +99,15 @@ def responses_plan(req: ResponsesRequest, default_max_tokens: int) -> TurnPlan:
             raise UnsupportedParameter(f"tools.{i}.type", f"hosted tool {t.get('type')!r} is not available")
         tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                        if k in t}})
-    if req.tool_choice not in (None, "auto", "none"):
-        raise UnsupportedParameter("tool_choice", "forcing a tool call needs constrained decoding, which is not "
-                                                  "implemented; use \"auto\" or \"none\"")
+    force = None
+    if req.tool_choice == "required":
+        force = forced_tool(tools, None)
+    elif isinstance(req.tool_choice, dict) and req.tool_choice.get("type") == "function":
+        force = forced_tool(tools, str(req.tool_choice.get("name")))
+    elif req.tool_choice not in (None, "auto", "none"):
+        raise UnsupportedParameter("tool_choice", "only auto, none, required or a function tool can be chosen")
     return TurnPlan(messages=messages_of(req), max_new_tokens=req.max_output_tokens or default_max_tokens,
-                    tools=tools or None, parse_tools=req.tool_choice != "none", temperature=req.temperature,
+                    tools=tools or None, force_tool=force, parse_tools=req.tool_choice != "none", temperature=req.temperature,
                     top_p=req.top_p, stream=req.stream)
 
 

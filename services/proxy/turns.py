@@ -26,7 +26,7 @@ from services.proxy.controller import Generation
 from services.proxy.errors import InvalidRequest, UnsupportedParameter
 from services.proxy.runtime import ProxyRuntime
 from services.proxy.textout import TurnOutput
-from shared.toolcalls import Event, make_splitter
+from shared.toolcalls import Event, forced_prefix, make_splitter
 
 
 @dataclass
@@ -48,6 +48,18 @@ class TurnPlan:
     stream: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    force_tool: str | None = None  # a forced call: "" any tool (required / any), else that function's name
+
+
+def forced_tool(tools: list[dict[str, Any]] | None, name: str | None) -> str:
+    """``TurnPlan.force_tool`` for a client that forces a call (``name`` None: any of ``tools``);
+    400 naming ``tool_choice`` when there is nothing to call or no such function."""
+    names = [str((t.get("function") or {}).get("name")) for t in tools or []]
+    if not names:
+        raise UnsupportedParameter("tool_choice", "forcing a tool call needs tools")
+    if name is not None and name not in names:
+        raise UnsupportedParameter("tool_choice", f"no function named {name!r} in tools ({', '.join(names)})")
+    return name or ""
 
 
 @dataclass
@@ -82,6 +94,12 @@ def prepare(rt: ProxyRuntime, plan: TurnPlan, prompt_ids: list[int] | None = Non
     skip = plan.skip_special_tokens
     output = TurnOutput(decode=lambda t: rt.decode(t, skip_special_tokens=skip), splitter=make_splitter(parser),
                         stops=plan.stops, no_stop_trim=plan.no_stop_trim, stream=plan.stream or bool(plan.stops))
+    if plan.force_tool is not None:  # the call's start is written for the model: prompt context, not sampled
+        if parser is None:
+            raise UnsupportedParameter("tool_choice", "forcing a tool call needs proxy.tool_call_parser")
+        prefix = forced_prefix(parser, plan.force_tool or None)
+        ids = [*ids, *(int(i) for i in rt.tokenizer.encode(prefix, add_special_tokens=False))]
+        output.splitter.feed(prefix)  # an open call block: no event until the model closes it
     # SGLang's rule: stop_token_ids add to the end-of-turn ids, which only ignore_eos drops.
     extra = list(plan.stop_token_ids or ())
     stop_ids = extra if plan.engine_params.get("ignore_eos") else ([*rt.stop_ids, *extra] if extra else None)

@@ -52,6 +52,40 @@ def test_tool_calls_are_parsed_into_message_tool_calls_and_recorded_verbatim() -
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
 
 
+@pytest.mark.parametrize(("path", "extra", "prefix"), [
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+     '<tool_call>\n{"name": "lookup", "arguments": '),
+    ("/v1/chat/completions", {"tool_choice": "required"}, '<tool_call>\n{"name": "'),
+    ("/v1/responses", {"tool_choice": {"type": "function", "name": "lookup"}},
+     '<tool_call>\n{"name": "lookup", "arguments": '),
+    ("/v1/messages", {"tool_choice": {"type": "any"}}, '<tool_call>\n{"name": "'),
+])
+def test_a_forced_tool_call_starts_the_answer_for_the_model_and_is_not_recorded_as_sampled(
+        path: str, extra: dict[str, Any], prefix: str) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        surface = path.split("/")[-1]
+        tools = {"completions": TOOLS, "responses": [{"type": "function", **TOOLS[0]["function"]}],
+                 "messages": [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]}[surface]
+        body = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
+                "messages": {"messages": MSG}}[surface]
+        r = await c.post(path, json={**body, "tools": tools, "max_tokens": 200, "max_output_tokens": 200, **extra},
+                         headers={"X-Session-Id": "forced"})
+        assert r.status_code == 200, r.text
+        sent = TOKENIZER.decode(eng.generate_bodies[0]["input_ids"])
+        assert sent.endswith("<|im_start|>assistant\n" + prefix)  # the call's start is context for the model
+        out = r.json()
+        name, args = {"completions": lambda: (out["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+                                              json.loads(out["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])),
+                      "responses": lambda: (out["output"][0]["name"], json.loads(out["output"][0]["arguments"])),
+                      "messages": lambda: (out["content"][0]["name"], out["content"][0]["input"])}[surface]()
+        assert (name, args) == ("lookup", {"key": "qzt"})
+        (sample,) = rt.sessions.get("forced").samples()
+        sampled = [tok for tok, m in zip(sample["token_ids"], sample["loss_mask"], strict=True) if m]
+        assert TOKENIZER.decode(sampled) == CALL[len(prefix):] + "<|im_end|>"  # the prefix was never sampled
+        assert sample["meta"]["tool_calls"] == 1
+    run_proxy(t, engine=FakeEngine(script=ids(CALL)))
+
+
 def test_tool_choice_none_leaves_the_text_as_content_and_malformed_calls_stay_visible() -> None:
     bad = "<tool_call>\n{not json}\n</tool_call>"
 
@@ -133,7 +167,8 @@ def test_logprobs_and_token_ids_in_openai_and_sglang_shapes() -> None:
 @pytest.mark.parametrize(("extra", "field"), [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"n": 2}, "n"),
-    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # nothing to call
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
