@@ -64,14 +64,15 @@ def test_a_forced_tool_call_starts_the_answer_for_the_model_and_is_not_recorded_
         path: str, extra: dict[str, Any], prefix: str) -> None:
     async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
         surface = path.split("/")[-1]
-        tools = {"completions": TOOLS, "responses": [{"type": "function", **TOOLS[0]["function"]}],
+        function: dict[str, Any] = TOOLS[0]["function"]
+        tools = {"completions": TOOLS, "responses": [{"type": "function", **function}],
                  "messages": [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]}[surface]
         body = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
                 "messages": {"messages": MSG}}[surface]
         r = await c.post(path, json={**body, "tools": tools, "max_tokens": 200, "max_output_tokens": 200, **extra},
                          headers={"X-Session-Id": "forced"})
         assert r.status_code == 200, r.text
-        sent = TOKENIZER.decode(eng.generate_bodies[0]["input_ids"])
+        sent = str(TOKENIZER.decode(eng.generate_bodies[0]["input_ids"]))
         assert sent.endswith("<|im_start|>assistant\n" + prefix)  # the call's start is context for the model
         out = r.json()
         name, args = {"completions": lambda: (out["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
