@@ -67,7 +67,7 @@ def test_a_forced_tool_call_starts_the_answer_for_the_model_and_is_not_recorded_
         function: dict[str, Any] = TOOLS[0]["function"]
         tools = {"completions": TOOLS, "responses": [{"type": "function", **function}],
                  "messages": [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]}[surface]
-        body = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
+        body: dict[str, Any] = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
                 "messages": {"messages": MSG}}[surface]
         r = await c.post(path, json={**body, "tools": tools, "max_tokens": 200, "max_output_tokens": 200, **extra},
                          headers={"X-Session-Id": "forced"})
