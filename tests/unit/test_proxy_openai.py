@@ -67,8 +67,9 @@ def test_a_forced_tool_call_starts_the_answer_for_the_model_and_is_not_recorded_
         function: dict[str, Any] = TOOLS[0]["function"]
         tools = {"completions": TOOLS, "responses": [{"type": "function", **function}],
                  "messages": [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]}[surface]
-        body: dict[str, Any] = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
-                "messages": {"messages": MSG}}[surface]
+        bodies: dict[str, dict[str, Any]] = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
+                                             "messages": {"messages": MSG}}
+        body = bodies[surface]
         r = await c.post(path, json={**body, "tools": tools, "max_tokens": 200, "max_output_tokens": 200, **extra},
                          headers={"X-Session-Id": "forced"})
         assert r.status_code == 200, r.text
