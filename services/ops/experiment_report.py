@@ -130,6 +130,18 @@ def variant_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]
     return out
 
 
+def learning_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """First vs last fifth of the steps: reward, and the share of samples calling a tool (tool tasks)."""
+    tools = any(summ.values(rows, v, "tool_calls_gain") for v in spec.variants)
+    head = ["variant", "reward, first fifth", "reward, last fifth", "reward gain"]
+    out = [head + (["tool calls, first fifth", "tool calls, last fifth", "tool-call gain"] if tools else [])]
+    for v in spec.variants:
+        cols = ["reward_first", "reward_last", "reward_gain"] + (
+            ["tool_calls_first", "tool_calls_last", "tool_calls_gain"] if tools else [])
+        out.append([v, *[_iv(_mean(summ.values(rows, v, c)), 3) for c in cols]])
+    return out
+
+
 def ratio_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     out = [["variant", f"speed-up to K steps vs {spec.baseline}", f"speed-up to {spec.baseline}'s final accuracy",
             "reached it", f"final accuracy ÷ {spec.baseline}"]]
@@ -228,6 +240,8 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
 
     pngs = plot_experiment(spec, rows, metrics, root) if rows else []
     tables = [("Per variant (mean [95 % interval] across seeds)", variant_table(spec, rows)),
+              ("Learning: first against last fifth of the steps (mean [95 % interval] across seeds)",
+               learning_table(spec, rows)),
               (f"Ratios against the baseline ({spec.baseline})", ratio_table(spec, rows)),
               ("Where the time goes (fractions of wall-clock, mean [95 % interval])", decomposition_table(spec, rows)),
               (f"CPU cores used per service while the trainer ran (mean; the machine has {os.cpu_count()})",

@@ -12,6 +12,11 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
   training, and ``initial_eval_acc`` shows it;
 * ``reward_auc``: the area under the training-reward curve over trainer steps (unit width per step),
   so a run that learns sooner has a larger area at equal steps;
+* ``reward_first`` / ``reward_last``: the mean training reward over the first and the last fifth of
+  the steps (as ``dressage report``), and ``reward_gain`` their difference -- across seeds, the
+  interval of the gain says whether a run learned at all;
+* ``tool_calls_first`` / ``tool_calls_last`` / ``tool_calls_gain``: the same for the share of
+  samples that called a tool (``train/tool_calls/sample_frac``; tool-using tasks only);
 * the time decomposition columns come from ``services.ops.timing``.
 """
 
@@ -38,6 +43,7 @@ def columns(targets: Sequence[float]) -> list[str]:
     return (["variant", "seed", "steps", "wall_to_k_s", "wall_clock_s", "startup_s"]
             + [target_column(x) for x in targets]
             + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
+            + [f"{name}_{part}" for name in ("reward", "tool_calls") for part in ("first", "last", "gain")]
             + list(COUNTERS) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
 
 
@@ -81,6 +87,15 @@ def reward_curve(rows: Sequence[Row]) -> list[tuple[int, float]]:
     return [(int(s), y) for s, y in zip(curve.x, curve.y, strict=True)]
 
 
+def first_last(ys: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    """Mean of the first and of the last fifth of ``ys`` (at least one value each), and last - first."""
+    if not ys:
+        return None, None, None
+    k = max(1, len(ys) // 5)
+    first, last = sum(ys[:k]) / k, sum(ys[-k:]) / k
+    return first, last, last - first
+
+
 def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[float], k_steps: int | None,
             slots: int | None, started_at: float | None, run_dir: str) -> dict[str, Any]:
     clock = step_clock(rows)
@@ -112,6 +127,9 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
         "reward_auc": sum(rewards) if rewards else None,
         "logprob_abs_diff_mean": sum(diffs) / len(diffs) if diffs else None,
     })
+    calls = [y for y in (pick(r, series.TOOL_SAMPLE_FRAC) for r in trainer) if y is not None]
+    for name, ys in (("reward", rewards), ("tool_calls", calls)):
+        row.update(zip((f"{name}_first", f"{name}_last", f"{name}_gain"), first_last(ys), strict=True))
     for col, counter in COUNTERS.items():
         row[col] = int(number(stats.get(f"stats/{counter}", 0)) or 0) if stats else None
     row.update(timing.columns(timing.decompose(rows, slots)))

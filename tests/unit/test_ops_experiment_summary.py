@@ -45,8 +45,16 @@ def test_run_row_from_metric_rows() -> None:
     assert (row["groups_produced"], row["groups_trained"], row["groups_dropped"], row["groups_reenqueued"]) == \
         (20, 16, 1, 0)
     assert row["groups_span_rejected"] == 3  # the span cap acting
+    assert (row["reward_first"], row["reward_last"]) == (pytest.approx(0.1), pytest.approx(0.4))  # 4 steps: fifths of 1
+    assert row["reward_gain"] == pytest.approx(0.3) and row["tool_calls_gain"] is None  # no tools in this run
     assert row["trainer_wait_frac"] == 0.5 and row["trainer_checkpoint_frac"] == 0.125
     assert list(row) == summ.columns([0.45, 0.9])
+
+
+def test_first_last_takes_a_fifth_of_the_steps_at_each_end() -> None:
+    assert summ.first_last([]) == (None, None, None)
+    first, last, gain = summ.first_last([0.0] * 5 + [1.0] * 10 + [0.5] * 5 + [0.9] * 5)  # 25 values: fifths of 5
+    assert (first, last) == (0.0, pytest.approx(0.9)) and gain == pytest.approx(0.9)
 
 
 def test_speed_ups_and_the_headline(tmp_path: Path) -> None:
