@@ -94,7 +94,12 @@ def ratios(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[Ratios]:
 
 
 def headline(spec: Spec, rows: Sequence[dict[str, Any]]) -> str:
-    """The bench's last line, for the variant with the best speed-up to K steps."""
+    """The bench's last line, for the variant with the best speed-up to K steps; a spec with one
+    variant compares nothing, so its line is that variant's reward gain over the run."""
+    if len(spec.variants) == 1:
+        gain = _mean(summ.values(rows, spec.baseline, "reward_gain"))
+        return (f"{spec.baseline}: reward gain from the first to the last fifth of the steps "
+                f"{_iv(gain, 3)} (seeds {len(summ.values(rows, spec.baseline, 'reward_gain'))}); no variant to compare")
     rs = [r for r in ratios(spec, rows) if r.to_k is not None]
     k = spec.stop.train_steps or "K"
     if not rs:

@@ -78,3 +78,15 @@ def test_speed_ups_and_the_headline(tmp_path: Path) -> None:
     line = headline(spec, rows)
     assert line.startswith("async/sync wall-clock to 4 steps: 2.00× (seeds 2, 95% interval [")
     assert line.endswith("); to sync final accuracy: 2.75×")
+
+
+def test_a_one_variant_spec_headlines_its_reward_gain(tmp_path: Path) -> None:
+    spec_path = tmp_path / "one.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "one", "base": str(REPO / "configs/test.yaml"), "baseline": "habit", "seeds": [0, 1],
+        "stop": {"steps": 4}, "variants": {"habit": {}}}))
+    spec = load_spec(spec_path)
+    rows = [summ.run_row(run_rows(1.0, {}), "habit", s, [], 4, None, None, f"h{s}") for s in (0, 1)]
+    line = headline(spec, rows)
+    assert line.startswith("habit: reward gain from the first to the last fifth of the steps 0.300")  # 0.1 -> 0.4
+    assert "seeds 2" in line and "async" not in line
