@@ -50,6 +50,7 @@ from services.proxy.schemas import (
     PauseRequest,
     ResumeRequest,
     parse,
+    refuse_generate_fields,
     refuse_unsupported,
 )
 from services.proxy.sessions import Session, check_session_id
@@ -150,14 +151,14 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
                                             chat_logprobs(r), r.return_token_ids, token_text))
 
     async def generate(request: Request, path_sid: str | None) -> Response:
-        req = parse(GenerateRequest, await _json_body(request), rt.limits)
+        req = parse(GenerateRequest, refuse_generate_fields(await _json_body(request)), rt.limits)
         sid = _session_id(path_sid, request, req.session_id)
         sp = req.sampling_params
         ids = req.input_ids if req.input_ids is not None else [
             int(i) for i in rt.tokenizer.encode(req.text or "", add_special_tokens=False)]
         plan = TurnPlan(messages=[], max_new_tokens=sp.max_new_tokens or rt.cfg.max_tokens_limit,
                         stops=sp.stop_strings(), temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                        seed=sp.sampling_seed, engine_params={"ignore_eos": True} if sp.ignore_eos else {},
+                        seed=sp.sampling_seed, engine_params=sp.engine_params(),
                         stop_token_ids=sp.stop_token_ids, skip_special_tokens=sp.skip_special_tokens,
                         no_stop_trim=sp.no_stop_trim)
         res = await run_turn(rt, sid, _partial(request, rt.cfg.partial_rollout), plan, prompt_ids=ids)

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from services.proxy.errors import InvalidRequest, UnsupportedParameter
+from shared.sglang_fields import REFUSED, is_set
 
 M = TypeVar("M", bound=BaseModel)
 MAX_TOKEN_ID = (1 << 31) - 1
@@ -208,6 +209,57 @@ def refuse_unsupported(body: Any, table: dict[str, tuple[Any, str]]) -> None:
             raise UnsupportedParameter(name, why)
 
 
+# SGLang fields /v1/generate accepts that cannot change what is generated or recorded (dropped).
+GENERATE_NO_EFFECT = frozenset({"log_metrics", "routing_key", "conversation_id", "extra_key", "no_logs",
+                                "custom_labels", "external_trace_header", "received_time", "cache_salt",
+                                "kv_router_hint", "routed_dp_rank", "data_parallel_rank"})
+SAMPLING_NO_EFFECT = frozenset({"stream_interval", "spaces_between_special_tokens"})  # the proxy's fast decode
+# SGLang fields the proxy's /v1/generate does not implement (a 400 naming them when set), on top of
+# what no part of this system implements (shared.sglang_fields.REFUSED).
+GENERATE_REFUSED: dict[str, str] = {
+    "stream": "streaming /v1/generate is not implemented; stream /v1/chat/completions, or call the engine",
+    "logprob_start_len": "prompt logprobs are not returned by the proxy",
+    "top_logprobs_num": "top logprobs on /v1/generate are not implemented; use chat's top_logprobs",
+    "token_ids_logprob": "logprobs of chosen token ids are not returned by the proxy",
+    "return_text_in_logprobs": "logprob entries carry ids only here ([logprob, id, null])",
+    "continue_across_weight_updates": "the proxy decides how a request meets a weight update (proxy.weight_updates)",
+    "sampling_params.n": "one trajectory per call: send n requests (each is recorded)",
+    "sampling_params.stop_regex": "stop regexes are not implemented by the proxy; use stop strings",
+    "sampling_params.min_new_tokens": "a minimum length is not kept across a partial-rollout resume",
+}
+
+
+_SGLANG_DEFAULTS: dict[str, Any] = {"sampling_params.n": 1, "sampling_params.min_new_tokens": 0,
+                                    "logprob_start_len": -1, "top_logprobs_num": 0}
+
+
+def refuse_generate_fields(body: Any) -> Any:
+    """SGLang's ``/generate`` body as the proxy takes it: refused fields that are set -> 400 naming
+    them; fields without effect here dropped; the rest is validated by ``GenerateRequest``."""
+    if not isinstance(body, dict):
+        return body
+    sp = body.get("sampling_params")
+    sp = dict(sp) if isinstance(sp, dict) else sp
+    if isinstance(body.get("text"), list) or (isinstance(body.get("input_ids"), list) and body["input_ids"]
+                                             and isinstance(body["input_ids"][0], list)):
+        raise UnsupportedParameter("text" if isinstance(body.get("text"), list) else "input_ids",
+                                   "batched inputs: one trajectory per call, send one request per prompt")
+    for name, why in {**REFUSED, **GENERATE_REFUSED}.items():
+        field_, _, sub = name.partition(".")
+        value = (sp or {}).get(sub) if sub and isinstance(sp, dict) else (None if sub else body.get(field_))
+        if is_set(value) and value != _SGLANG_DEFAULTS.get(name):
+            raise UnsupportedParameter(name, why)
+    for name in ("routed_dp_rank", "data_parallel_rank"):
+        if body.get(name) not in (None, 0):
+            raise UnsupportedParameter(name, "the proxy picks the engine; there is one data-parallel rank (0)")
+    dropped = GENERATE_NO_EFFECT | GENERATE_REFUSED.keys() | REFUSED.keys()  # set ones were refused above
+    out = {k: v for k, v in body.items() if k not in dropped}
+    if isinstance(sp, dict):
+        out["sampling_params"] = {k: v for k, v in sp.items() if k not in SAMPLING_NO_EFFECT and v is not None
+                                  and f"sampling_params.{k}" not in dropped}
+    return out
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_new_tokens: int | None = Field(default=None, ge=1)  # None: proxy.max_tokens_limit
@@ -220,6 +272,19 @@ class SamplingParams(BaseModel):
     stop: str | list[str] | None = Field(default=None, max_length=16)  # stop strings (cut here; see no_stop_trim)
     no_stop_trim: bool = False  # keep the matched stop string in text and output_ids (SGLang)
     skip_special_tokens: bool = True  # strip special tokens from "text" (SGLang's default)
+    # Passed to the engine's sampling params with SGLang's semantics (as chat's extensions are).
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None  # read only by a custom logit processor (none is loaded)
+
+    def engine_params(self) -> dict[str, Any]:
+        """The pass-through sampling params that are set (SGLang names)."""
+        names = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "custom_params")
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {**out, **({"ignore_eos": True} if self.ignore_eos else {})}
 
     def stop_strings(self) -> tuple[str, ...]:
         items = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
