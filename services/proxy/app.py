@@ -29,6 +29,7 @@ from services.proxy.chat import chat_plan
 from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound
 from services.proxy.guards import Guard
 from services.proxy.messages_api import (
+    MESSAGES_NO_EFFECT,
     MESSAGES_UNSUPPORTED,
     MessagesRequest,
     message_body,
@@ -36,6 +37,7 @@ from services.proxy.messages_api import (
     messages_plan,
 )
 from services.proxy.responses_api import (
+    RESPONSES_NO_EFFECT,
     RESPONSES_UNSUPPORTED,
     ResponsesRequest,
     response_body,
@@ -44,6 +46,7 @@ from services.proxy.responses_api import (
 )
 from services.proxy.runtime import ProxyRuntime
 from services.proxy.schemas import (
+    CHAT_NO_EFFECT,
     CHAT_UNSUPPORTED,
     ChatRequest,
     GenerateRequest,
@@ -51,6 +54,7 @@ from services.proxy.schemas import (
     ResumeRequest,
     parse,
     refuse_generate_fields,
+    refuse_unknown,
     refuse_unsupported,
 )
 from services.proxy.sessions import Session, check_session_id
@@ -124,11 +128,12 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         return rt.decode(ids, skip_special_tokens=False)
 
     async def surface(request: Request, path_sid: str | None, unsupported: dict[str, tuple[Any, str]],
-                      model: type[M], plan_of: Callable[[M], TurnPlan], whole: Callable[[TurnResult, M], Any],
+                      no_effect: frozenset[str], model: type[M], plan_of: Callable[[M], TurnPlan], whole: Callable[[TurnResult, M], Any],
                       streamed: Callable[[LiveTurn, M], AsyncIterator[bytes]]) -> Response:
         """One model call on any API surface: validate, plan, run (whole or streamed), render."""
         raw = await _json_body(request)
         refuse_unsupported(raw, unsupported)
+        refuse_unknown(raw, model, unsupported, no_effect)
         req = parse(model, raw, rt.limits)
         sid = _session_id(path_sid, request, getattr(req, "session_id", None))
         partial = _partial(request, rt.cfg.partial_rollout)
@@ -145,7 +150,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
 
     async def chat(request: Request, path_sid: str | None) -> Response:
         return await surface(
-            request, path_sid, CHAT_UNSUPPORTED, ChatRequest, lambda r: chat_plan(r, rt.cfg.max_tokens_limit),
+            request, path_sid, CHAT_UNSUPPORTED, CHAT_NO_EFFECT, ChatRequest, lambda r: chat_plan(r, rt.cfg.max_tokens_limit),
             lambda res, r: fmt.chat_completion(res, rt.model_name, chat_logprobs(r), r.return_token_ids, token_text),
             lambda live, r: fmt.chat_stream(live, rt.model_name, bool(r.stream_options and r.stream_options.include_usage),
                                             chat_logprobs(r), r.return_token_ids, token_text))
@@ -166,13 +171,13 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         return JSONResponse(body, headers={"X-Session-Id": sid})
 
     async def responses(request: Request, path_sid: str | None) -> Response:
-        return await surface(request, path_sid, RESPONSES_UNSUPPORTED, ResponsesRequest,
+        return await surface(request, path_sid, RESPONSES_UNSUPPORTED, RESPONSES_NO_EFFECT, ResponsesRequest,
                              lambda r: responses_plan(r, rt.cfg.max_tokens_limit),
                              lambda res, r: response_body(res, r, rt.model_name),
                              lambda live, r: response_stream(live, r, rt.model_name))
 
     async def messages(request: Request, path_sid: str | None) -> Response:
-        return await surface(request, path_sid, MESSAGES_UNSUPPORTED, MessagesRequest, messages_plan,
+        return await surface(request, path_sid, MESSAGES_UNSUPPORTED, MESSAGES_NO_EFFECT, MessagesRequest, messages_plan,
                              lambda res, r: message_body(res, rt.model_name),
                              lambda live, r: message_stream(live, rt.model_name))
 

@@ -5,8 +5,9 @@ messages and ``tools`` (``input_schema``) chat tools; the turn runs like a chat 
 a ``message`` with ``text`` and ``tool_use`` content blocks and Anthropic's ``stop_reason``
 (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``); streaming sends Anthropic's
 events (``message_start``, ``content_block_start/delta/stop``, ``message_delta``,
-``message_stop``) as tokens are produced. Images, documents, server tools, extended thinking
-and forced tool use are refused (400 naming the field).
+``message_stop``) as tokens are produced. Forced tool use (``tool_choice`` ``any`` / ``tool``) is
+served as for chat (``turns.forced_tool``). Images, documents, server tools, extended thinking and
+any field not implemented here (``MESSAGES_NO_EFFECT`` aside) are refused (400 naming the field).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ MESSAGES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "mcp_servers": (None, "MCP servers are not available"),
     "container": (None, "code-execution containers are not available"),
 }
+
+
+MESSAGES_NO_EFFECT = frozenset({"metadata", "service_tier"})
 
 
 class MessagesRequest(BaseModel):

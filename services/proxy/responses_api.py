@@ -36,6 +36,8 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "truncation": ("disabled", "automatic truncation is not implemented"),
     "parallel_tool_calls": (True, "every tool call the model writes is returned; false cannot be enforced"),
 }
+RESPONSES_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                                 "prompt_cache_retention", "stream_options"})
 TEXT_FORMAT = {"format": {"type": "text"}}
 
 

@@ -119,7 +119,8 @@ class ChatRequest(BaseModel):
 
     Fields that would change the result and are not implemented are refused before this model
     is built (``refuse_unsupported``, 400 naming the field); fields that do not change the
-    result (``user``, ``metadata``, ``store``, ``service_tier``...) are accepted and ignored."""
+    result (``CHAT_NO_EFFECT``: ``user``, ``metadata``, ``store``, ``service_tier``...) are accepted
+    and ignored; any other field is a 400 naming it (``refuse_unknown``)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = Field(default=None, max_length=256)
@@ -198,6 +199,23 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "continue_final_message": (False, "continuing the final assistant message is not implemented"),
     "lora_path": (None, "LoRA adapters are not supported"),
 }
+
+
+# Chat fields that cannot change what is generated or recorded: accepted and dropped.
+CHAT_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "prompt_cache_retention", "rid"})
+
+
+def refuse_unknown(body: Any, model: type[BaseModel], table: dict[str, tuple[Any, str]],
+                   no_effect: frozenset[str]) -> None:
+    """400 ``unsupported_parameter`` naming a field the surface neither implements, refuses by name
+    (``table``) nor knows to be without effect: OpenAI answers an unrecognised argument with a 400
+    too, and a field silently dropped could be one that changes the result (``chat_template_kwargs``)."""
+    if not isinstance(body, dict):
+        return
+    for name in body:
+        if name not in model.model_fields and name not in table and name not in no_effect:
+            raise UnsupportedParameter(name, "not a field this proxy implements; it would be ignored")
 
 
 def refuse_unsupported(body: Any, table: dict[str, tuple[Any, str]]) -> None:

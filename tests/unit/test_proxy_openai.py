@@ -70,7 +70,8 @@ def test_a_forced_tool_call_starts_the_answer_for_the_model_and_is_not_recorded_
         bodies: dict[str, dict[str, Any]] = {"completions": {"messages": MSG}, "responses": {"input": MSG[0]["content"]},
                                              "messages": {"messages": MSG}}
         body = bodies[surface]
-        r = await c.post(path, json={**body, "tools": tools, "max_tokens": 200, "max_output_tokens": 200, **extra},
+        limit = {"max_output_tokens": 200} if surface == "responses" else {"max_tokens": 200}
+        r = await c.post(path, json={**body, "tools": tools, **limit, **extra},
                          headers={"X-Session-Id": "forced"})
         assert r.status_code == 200, r.text
         sent = str(TOKENIZER.decode(eng.generate_bodies[0]["input_ids"]))
@@ -174,6 +175,8 @@ def test_logprobs_and_token_ids_in_openai_and_sglang_shapes() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # would change the prompt
+    ({"min_tokens": 4}, "min_tokens"),
 ])
 def test_fields_that_would_change_the_result_are_refused_with_400_in_openai_shape(extra: dict[str, Any],
                                                                                   field: str) -> None:
@@ -282,3 +285,19 @@ def test_messages_api_maps_tool_use_and_tool_result_blocks_and_streams_events() 
             {"role": "user", "content": [{"type": "image", "source": {}}]}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0.type"
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 5}),
+    ("/v1/responses", {"input": "code of qzt?", "max_output_tokens": 5}),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 5}),
+])
+def test_unknown_fields_are_refused_and_fields_without_effect_accepted_on_every_surface(
+        path: str, body: dict[str, Any]) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        ok = await c.post(path, json={**body, "metadata": {"run": "x"}})
+        assert ok.status_code == 200, ok.text
+        r = await c.post(path, json={**body, "top_k_typo": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k_typo"
+        assert r.json()["error"]["code"] == "unsupported_parameter" and len(eng.generate_bodies) == 1
+    run_proxy(t)
