@@ -99,8 +99,9 @@ class Heartbeat:
             pass
 
 
-# Reported metrics that only grow (cumulative counts): exposed as Prometheus counters (`_total`).
-CUMULATIVE_PREFIXES = ("pipeline/", "stats/")
+# Reported metrics that only grow (cumulative counts, and the trainer's cumulative seconds per phase,
+# ``time/<phase>_s`` from ``shared.phases``): exposed as Prometheus counters (`_total`).
+CUMULATIVE_PREFIXES = ("pipeline/", "stats/", "time/")
 CUMULATIVE = frozenset({"prompt_buffer/groups_produced", "staleness/dropped_groups",
                         "staleness/partial_rollout_rejected_groups", "staleness/partial_rollout_rejected_samples"})
 

@@ -96,6 +96,9 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
                     time.sleep(0.5)
             assert r.status_code == 200, (name, r.status_code)
             seen[name] = check_scrape(name, r.text)
+            if name == "trainer":  # cumulative seconds per phase are counters, not gauges
+                kinds = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+                assert kinds.get("dressage_time_wall_seconds") == kinds.get("dressage_time_wait_seconds") == "counter"
         assert {"dressage_engine_num_running_reqs", "dressage_engine_num_queue_reqs", "dressage_engine_gen_throughput",
                 "dressage_engine_token_usage", "dressage_engine_generation_tokens"} <= seen["engine"]
         assert "dressage_proxy_requests" in seen["proxy"]
