@@ -8,6 +8,7 @@ top logprobs, n and batches, streaming, loads, weight updates) against a local r
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,27 @@ def test_slime_seeded_request_repeats_exactly_and_no_stop_trim_keeps_the_stop(cl
         trimmed = client.post("/generate", json=body).json()
         assert trimmed["text"] == kept["text"][:kept["text"].find(stop)]
         assert trimmed["output_ids"] == kept["output_ids"]  # ids keep every token, as in SGLang
+
+
+@pytest.mark.parametrize("key", ["stop", "stop_regex"])
+def test_stop_strings_and_regexes_cut_where_the_model_writes_them(client: httpx.Client, key: str) -> None:
+    body = fixture("slime_generate_seeded")["body"]
+    sp = body["sampling_params"]
+    sp.update(stop=None, stop_token_ids=None, ignore_eos=True, max_new_tokens=16)
+    whole = client.post("/generate", json=body).json()["text"]  # seeded: the same tokens up to any stop
+    assert len(whole) >= 8, whole
+    stop = whole[4:6]
+    pattern = stop if key == "stop" else re.escape(stop)
+    pos = whole.find(stop)
+    kept = client.post("/generate", json={**body, "sampling_params": {**sp, key: [pattern], "no_stop_trim": True}})
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert kept.json()["text"].startswith(whole[:pos + len(stop)]) and whole.startswith(kept.json()["text"])
+    cut = client.post("/generate", json={**body, "sampling_params": {**sp, key: [pattern], "no_stop_trim": False}})
+    assert cut.json()["text"] == whole[:pos]  # trimmed at the match; output_ids keep every token (SGLang)
+    assert cut.json()["output_ids"] == kept.json()["output_ids"]
+    bad = client.post("/generate", json={**body, "sampling_params": {**sp, "stop_regex": "("}})
+    assert bad.status_code in (400, 422) and "stop_regex" in bad.text
 
 
 def test_routed_experts_are_refused_with_400_naming_the_field(client: httpx.Client) -> None:
