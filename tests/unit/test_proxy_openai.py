@@ -301,3 +301,24 @@ def test_unknown_fields_are_refused_and_fields_without_effect_accepted_on_every_
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_k_typo"
         assert r.json()["error"]["code"] == "unsupported_parameter" and len(eng.generate_bodies) == 1
     run_proxy(t)
+
+
+def test_streamed_tool_calls_on_responses_and_messages_carry_the_whole_call() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        tools = [{"type": "function", "name": "lookup", "parameters": TOOLS[0]["function"]["parameters"]}]
+        r = await c.post("/v1/responses", json={"input": "code of qzt?", "tools": tools, "stream": True,
+                                                "max_output_tokens": 200})
+        events = sse_events(r.text)
+        args = "".join(d["delta"] for k, d in events if k == "response.function_call_arguments.delta")
+        done = next(d for k, d in events if k == "response.output_item.done" and d["item"]["type"] == "function_call")
+        assert json.loads(args) == {"key": "qzt"} and done["item"]["name"] == "lookup"
+        assert events[-1][1]["response"]["output"][-1]["arguments"] == args
+        tools_a = [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]
+        r = await c.post("/v1/messages", json={"max_tokens": 200, "messages": MSG, "tools": tools_a, "stream": True})
+        events = sse_events(r.text)
+        start = next(d for k, d in events if k == "content_block_start" and d["content_block"]["type"] == "tool_use")
+        partial = "".join(d["delta"]["partial_json"] for k, d in events
+                          if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+        assert start["content_block"]["name"] == "lookup" and json.loads(partial) == {"key": "qzt"}
+        assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
+    run_proxy(t, engine=FakeEngine(script=ids(CALL)))
