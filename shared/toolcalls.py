@@ -154,6 +154,13 @@ def make_splitter(parser: str | None) -> Splitter:
     raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
 
 
+def call_end(parser: str) -> str:
+    """The text that closes one tool call in ``parser``'s format (where a single call ends)."""
+    if parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
+    return HermesSplitter.end
+
+
 def forced_prefix(parser: str, name: str | None) -> str:
     """The start of a tool call the proxy writes for the model when the client forces one
     (``tool_choice`` ``required`` / a named function): ``<tool_call>\n{"name": "`` and, for a named

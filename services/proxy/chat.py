@@ -59,7 +59,8 @@ def chat_plan(req: ChatRequest, default_max_tokens: int) -> TurnPlan:
     return TurnPlan(
         messages=[template_message(m, f"messages.{i}") for i, m in enumerate(req.messages)],
         max_new_tokens=req.new_tokens(default_max_tokens),
-        tools=tools, force_tool=force, parse_tools=req.tool_choice != "none", stops=req.stop_strings(), temperature=req.temperature,
+        tools=tools, force_tool=force, one_tool_call=req.parallel_tool_calls is False,
+        parse_tools=req.tool_choice != "none", stops=req.stop_strings(), temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, engine_params=engine,
         stop_token_ids=req.stop_token_ids, top_logprobs=top, stream=req.stream,
         skip_special_tokens=req.skip_special_tokens)

@@ -109,7 +109,9 @@ def messages_plan(req: MessagesRequest) -> TurnPlan:
         raise UnsupportedParameter("tool_choice", f"tool_choice type {choice!r} is not one of auto, none, any, tool")
     force = forced_tool(tools, None if choice == "any" else str((req.tool_choice or {}).get("name"))) \
         if choice in ("any", "tool") else None
+    one = bool((req.tool_choice or {}).get("disable_parallel_tool_use"))  # at most one tool_use block
     return TurnPlan(messages=messages_of(req), max_new_tokens=req.max_tokens, tools=tools or None, force_tool=force,
+                    one_tool_call=one,
                     parse_tools=choice != "none", stops=tuple(req.stop_sequences or ()), temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stream=req.stream)
 

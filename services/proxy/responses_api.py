@@ -34,7 +34,6 @@ RESPONSES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "top_logprobs": (0, "logprobs are not implemented on /v1/responses; use /v1/chat/completions"),
     "include": ([], "no extra output can be included"),
     "truncation": ("disabled", "automatic truncation is not implemented"),
-    "parallel_tool_calls": (True, "every tool call the model writes is returned; false cannot be enforced"),
 }
 RESPONSES_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                                  "prompt_cache_retention", "stream_options"})
@@ -53,6 +52,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
     text: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the turn ends with it)
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
 
 
@@ -109,7 +109,7 @@ def responses_plan(req: ResponsesRequest, default_max_tokens: int) -> TurnPlan:
     elif req.tool_choice not in (None, "auto", "none"):
         raise UnsupportedParameter("tool_choice", "only auto, none, required or a function tool can be chosen")
     return TurnPlan(messages=messages_of(req), max_new_tokens=req.max_output_tokens or default_max_tokens,
-                    tools=tools or None, force_tool=force, parse_tools=req.tool_choice != "none", temperature=req.temperature,
+                    tools=tools or None, force_tool=force, one_tool_call=req.parallel_tool_calls is False, parse_tools=req.tool_choice != "none", temperature=req.temperature,
                     top_p=req.top_p, stream=req.stream)
 
 
@@ -126,7 +126,8 @@ def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
 def _envelope(resp_id: str, req: ResponsesRequest, model: str, created: float) -> dict[str, Any]:
     return {"id": resp_id, "object": "response", "created_at": int(created), "model": model, "status": "in_progress",
             "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
-            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
+            "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": None, "reasoning": None, "store": False, "text": TEXT_FORMAT,
             "truncation": "disabled", "metadata": {}, "usage": None}

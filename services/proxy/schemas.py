@@ -192,7 +192,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "function_call": (None, "the deprecated 'function_call' API is not implemented; use 'tool_choice'"),
     "reasoning_effort": (None, "this policy has no reasoning-effort control"),
     "verbosity": (None, "this policy has no verbosity control"),
-    "parallel_tool_calls": (True, "every tool call the model writes is returned; false cannot be enforced"),
     "ebnf": (None, "grammar-constrained decoding is not implemented"),
     "regex": (None, "regex-constrained decoding is not implemented"),
     "json_schema": (None, "schema-constrained decoding is not implemented"),

@@ -7,7 +7,8 @@ abort the engine request. Invariants:
   with an offset window so each token is decoded a bounded number of times, and never ending in
   half a UTF-8 character (``\\ufffd`` tails wait for the next token);
 * a stop string cuts the output: ``keep`` is the number of tokens whose text ends at or before
-  the cut (the cut is the stop string's start, or its end with ``no_stop_trim``), and the
+  the cut (the cut is the stop string's start, or its end with ``no_stop_trim`` or for a
+  ``kept_stops`` entry -- the end of a tool call when only one call is allowed), and the
   returned text is exactly those tokens' text -- the recorded tokens end where the returned
   text ends, even when a stop string starts inside a token;
 * events (content pieces and tool calls, ``toolcalls``) are emitted only for text that can no
@@ -33,6 +34,7 @@ class TurnOutput:
     splitter: Splitter
     stops: tuple[str, ...] = ()
     no_stop_trim: bool = False
+    kept_stops: tuple[str, ...] = ()  # stops (also in ``stops``) whose text stays, as with no_stop_trim
     stream: bool = False  # ask the engines to stream (a streamed response, or stop strings to cut early)
     listener: Callable[[list[Event]], None] | None = None  # streaming: called with each batch of events
     ids: list[int] = field(default_factory=list)
@@ -121,9 +123,10 @@ class TurnOutput:
         if not hits:
             return False
         pos, stop = min(hits)
-        cut = pos + len(stop) if self.no_stop_trim else pos
+        keep = self.no_stop_trim or stop in self.kept_stops
+        cut = pos + len(stop) if keep else pos
         self.matched_stop = stop
-        if self.no_stop_trim:  # the fewest tokens that cover the whole stop string
+        if keep:  # the fewest tokens that cover the whole stop string
             self.keep = next(i + 1 for i, e in enumerate(self.ends) if e >= cut)
         else:  # every token that ends before the stop string starts
             self.keep = bisect_right(self.ends, cut)

@@ -26,7 +26,7 @@ from services.proxy.controller import Generation
 from services.proxy.errors import InvalidRequest, UnsupportedParameter
 from services.proxy.runtime import ProxyRuntime
 from services.proxy.textout import TurnOutput
-from shared.toolcalls import Event, forced_prefix, make_splitter
+from shared.toolcalls import Event, call_end, forced_prefix, make_splitter
 
 
 @dataclass
@@ -49,6 +49,7 @@ class TurnPlan:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     force_tool: str | None = None  # a forced call: "" any tool (required / any), else that function's name
+    one_tool_call: bool = False  # parallel_tool_calls false: the turn ends with the first call's closing tag
 
 
 def forced_tool(tools: list[dict[str, Any]] | None, name: str | None) -> str:
@@ -92,8 +93,10 @@ def prepare(rt: ProxyRuntime, plan: TurnPlan, prompt_ids: list[int] | None = Non
     ids = render_prompt(rt, plan) if prompt_ids is None else prompt_ids
     parser = rt.cfg.tool_call_parser if plan.tools and plan.parse_tools else None
     skip = plan.skip_special_tokens
+    kept = (call_end(parser),) if plan.one_tool_call and parser is not None else ()
+    stops = (*plan.stops, *kept)
     output = TurnOutput(decode=lambda t: rt.decode(t, skip_special_tokens=skip), splitter=make_splitter(parser),
-                        stops=plan.stops, no_stop_trim=plan.no_stop_trim, stream=plan.stream or bool(plan.stops))
+                        stops=stops, no_stop_trim=plan.no_stop_trim, kept_stops=kept, stream=plan.stream or bool(stops))
     if plan.force_tool is not None:  # the call's start is written for the model: prompt context, not sampled
         if parser is None:
             raise UnsupportedParameter("tool_choice", "forcing a tool call needs proxy.tool_call_parser")

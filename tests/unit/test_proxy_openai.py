@@ -174,7 +174,6 @@ def test_logprobs_and_token_ids_in_openai_and_sglang_shapes() -> None:
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # would change the prompt
     ({"min_tokens": 4}, "min_tokens"),
 ])
@@ -322,3 +321,30 @@ def test_streamed_tool_calls_on_responses_and_messages_carry_the_whole_call() ->
         assert start["content_block"]["name"] == "lookup" and json.loads(partial) == {"key": "qzt"}
         assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
+
+
+@pytest.mark.parametrize(("path", "single"), [
+    ("/v1/chat/completions", {"parallel_tool_calls": False}), ("/v1/responses", {"parallel_tool_calls": False}),
+    ("/v1/messages", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}), ("/v1/chat/completions", {}),
+])
+def test_parallel_tool_calls_false_ends_the_turn_with_the_first_call(path: str, single: dict[str, Any]) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        surface = path.split("/")[-1]
+        tools: Any = {"completions": TOOLS, "responses": [{"type": "function", **TOOLS[0]["function"]}],
+                      "messages": [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]}[surface]
+        body: dict[str, Any] = ({"input": "code of qzt?", "max_output_tokens": 300} if surface == "responses"
+                                else {"messages": MSG, "max_tokens": 300})
+        r = await c.post(path, json={**body, "tools": tools, **single}, headers={"X-Session-Id": "one"})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        calls = {"completions": lambda: out["choices"][0]["message"]["tool_calls"],
+                 "responses": lambda: [o for o in out["output"] if o["type"] == "function_call"],
+                 "messages": lambda: [b for b in out["content"] if b["type"] == "tool_use"]}[surface]()
+        (sample,) = rt.sessions.get("one").samples()
+        sampled = str(TOKENIZER.decode([tok for tok, m in zip(sample["token_ids"], sample["loss_mask"], strict=True)
+                                        if m]))
+        if single:  # one call, and the recorded turn ends where the call does: what was returned
+            assert len(calls) == 1 and sampled == CALL
+        else:
+            assert len(calls) == 2 and sampled == CALL + CALL + "<|im_end|>"
+    run_proxy(t, engine=FakeEngine(script=ids(CALL + CALL)))

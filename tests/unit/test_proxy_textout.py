@@ -77,3 +77,14 @@ def test_settled_tokens_never_include_text_a_stop_string_could_still_cut() -> No
     out.finish()
     assert "".join(t for t, _ in seen) == "abc" and [n for _, n in seen] == sorted(n for _, n in seen)
     assert all(len(decode([0, 1][:n])) <= len("".join(t for t, _ in seen[:i + 1])) for i, (_, n) in enumerate(seen))
+
+
+def test_a_kept_stop_ends_the_output_with_it_while_other_stops_are_trimmed() -> None:
+    end = "</tool_call>"
+    out = TurnOutput(decode=decode, splitter=make_splitter("hermes"), stops=("END", end), kept_stops=(end,))
+    assert out.feed([5, 6, 7, 8, 9, 0, 5, 6, 7, 8], [0.0] * 10)  # a call, then text and a second call
+    out.finish()
+    assert out.kept == 4 and out.final_text.endswith(end) and len(out.tool_calls()) == 1
+    trimmed = TurnOutput(decode=decode, splitter=make_splitter("hermes"), stops=("END", end), kept_stops=(end,))
+    assert trimmed.feed([0, 2, 3, 5, 6, 7, 8], [0.0] * 7)  # "abEND..." : END is not kept
+    assert trimmed.final_text == "ab" and trimmed.kept == 1
