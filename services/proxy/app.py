@@ -115,7 +115,10 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-        return JSONResponse(exc.detail_body(), status_code=exc.status, headers=exc.headers)
+        body = exc.detail_body()
+        if request.url.path.endswith("/v1/messages"):  # Anthropic's shape: {"type": "error", "error": {type, message}}
+            body = {"type": "error", **body}
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

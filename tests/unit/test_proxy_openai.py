@@ -283,6 +283,7 @@ def test_messages_api_maps_tool_use_and_tool_result_blocks_and_streams_events() 
         r = await c.post("/v1/messages", json={"max_tokens": 5, "messages": [
             {"role": "user", "content": [{"type": "image", "source": {}}]}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0.type"
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"  # Anthropic's shape
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
 
 
