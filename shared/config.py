@@ -247,6 +247,11 @@ class TrainConfig(Section):
     kl_coef: float = Field(default=0.0, ge=0)
     mask_nonlast_version_tokens: bool = False
     update_weights_interval: int = Field(default=1, ge=1, le=100_000)
+    # Every n-th published version is a durable checkpoint (weights + optimizer + trainer state, fsynced);
+    # the n - 1 between are weights-only snapshots (not fsynced) and their batches stay pending until the
+    # next durable one (promoted at once whenever the trainer has nothing to train). 1: every version.
+    checkpoint_every_versions: int = Field(default=1, ge=1, le=100_000)
+    keep_snapshots: int = Field(default=4, ge=1, le=1000)  # weights-only snapshots kept (+ the published one)
     # Write the checkpoint, acknowledge and publish on a commit thread while the next step trains (one
     # commit in flight; costs a host copy of weights + optimizer state meanwhile). Off: all on the loop.
     # Off by default: on the 2-core CPU demo rollout is the bottleneck and it did not pay (docs/trainer.md).

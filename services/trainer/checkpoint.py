@@ -8,6 +8,8 @@ Layout under ``train.checkpoint_dir``::
         checkpoint.json         manifest written last: version, step, every file with its size
     .tmp-v00000004-<random>/    being written (or left by a crash): never loaded, removed at start
     .trash-v00000001-<random>/  being pruned: never loaded, removed at start
+    snapshots/v00000005/        weights only (``train.checkpoint_every_versions`` > 1): what engines
+                                load for a version published between two durable checkpoints
 
 Invariants:
 * a directory named ``v<version>`` is complete: it is written under a temporary name, every file
@@ -16,7 +18,13 @@ Invariants:
   behind our back is skipped, never loaded;
 * a version directory is never overwritten (versions are never reused);
 * pruning renames a directory to ``.trash-*`` before deleting it, so a crash mid-delete leaves
-  nothing that looks like a checkpoint.
+  nothing that looks like a checkpoint;
+* a *snapshot* (``snapshots/v<version>``) is a complete model directory (weights, config, tokenizer)
+  without trainer state, renamed into place like a checkpoint but **not fsynced**: it survives a
+  process crash (the page cache keeps it), not a power loss, and it is never resumed from. Only
+  ``v<version>`` directories in the root are checkpoints (``complete``); a snapshot's version becomes
+  durable when it is *promoted*: its files hard-linked (copied where links fail) into a checkpoint
+  of the same version beside the trainer state, fsynced and renamed like any checkpoint.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ STATE_FILE = "trainer_state.pt"
 MANIFEST = "checkpoint.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+SNAPSHOTS = "snapshots"
 
 
 class CheckpointError(DressageError):
@@ -91,6 +100,31 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _require_model(d: Path) -> None:
+    missing = missing_files(d)
+    if missing:
+        raise CheckpointError(f"{d} lacks {', '.join(missing)}")
+
+
+def _place(final: Path, fill: Callable[[Path], None], durable: bool) -> Path:
+    """``fill`` a fresh temporary directory beside ``final``, then rename it to ``final`` (atomic);
+    ``durable``: every file and both directories fsynced. Never overwrites; on any error nothing is left."""
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; versions are never reused")
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        fill(tmp)
+        if durable:
+            _fsync_tree(tmp)
+        os.rename(tmp, final)
+        if durable:
+            _fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 class CheckpointStore:
     """The checkpoint directory of one trainer."""
 
@@ -105,14 +139,22 @@ class CheckpointStore:
     def path_for(self, version: int) -> Path:
         return self.root / dir_name(version)
 
+    @property
+    def snapshot_root(self) -> Path:
+        return self.root / SNAPSHOTS
+
+    def snapshot_path(self, version: int) -> Path:
+        return self.snapshot_root / dir_name(version)
+
     def cleanup_temp(self) -> list[Path]:
         """Remove temporary and trash directories left by a crash; returns what was removed."""
         removed = []
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-                log.warning("removed leftover checkpoint directory %s", p)
+        for parent in (self.root, self.snapshot_root):
+            for p in parent.iterdir() if parent.is_dir() else ():
+                if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p)
+                    log.warning("removed leftover checkpoint directory %s", p)
         return removed
 
     def _read_complete(self, p: Path) -> CheckpointInfo | None:
@@ -155,30 +197,78 @@ class CheckpointStore:
     def write(self, version: int, step: int, save_weights: Callable[[Path], None],
               state: dict[str, Any]) -> CheckpointInfo:
         """Write checkpoint ``version`` atomically; ``save_weights(dir)`` writes the HF files."""
-        final = self.path_for(version)
-        if final.exists():
-            raise CheckpointError(f"checkpoint {final} already exists; versions are never reused")
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dir_name(version)}-", dir=self.root))
-        try:
+
+        def fill(tmp: Path) -> None:
             save_weights(tmp)
             torch.save(state, tmp / STATE_FILE)
-            missing = missing_files(tmp)
-            if missing:
-                raise CheckpointError(f"checkpoint {tmp} lacks {', '.join(missing)}")
+            _require_model(tmp)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
             fault_point("mid_checkpoint")
             (tmp / MANIFEST).write_text(json.dumps({"version": version, "step": step, "files": files},
                                                    indent=1, sort_keys=True))
-            _fsync_tree(tmp)
-            os.rename(tmp, final)
-            _fsync_path(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log.info("checkpoint written version=%d step=%d path=%s", version, step, final)
-        info = CheckpointInfo(version, step, final)
-        self._known[final.name] = info
+
+        info = CheckpointInfo(version, step, _place(self.path_for(version), fill, durable=True))
+        log.info("checkpoint written version=%d step=%d path=%s", version, step, info.path)
+        self._known[info.path.name] = info
         return info
+
+    # --- snapshots: weights only, between durable checkpoints ---------------------------------
+
+    def write_snapshot(self, version: int, step: int, save_weights: Callable[[Path], None]) -> CheckpointInfo:
+        """Write the weights-only snapshot of ``version``: a loadable model directory renamed into
+        place, not fsynced (see the module docstring)."""
+
+        def fill(tmp: Path) -> None:
+            save_weights(tmp)
+            _require_model(tmp)
+            fault_point("mid_snapshot")
+
+        self.snapshot_root.mkdir(exist_ok=True)
+        info = CheckpointInfo(version, step, _place(self.snapshot_path(version), fill, durable=False))
+        log.info("snapshot written version=%d step=%d path=%s", version, step, info.path)
+        return info
+
+    def promote(self, snapshot: CheckpointInfo, state: dict[str, Any]) -> CheckpointInfo:
+        """The durable checkpoint of a snapshot's version: its files linked beside ``state``."""
+
+        def link_files(d: Path) -> None:
+            for f in sorted(snapshot.path.iterdir()):
+                if f.is_file():
+                    try:
+                        os.link(f, d / f.name)  # a snapshot's files are never written again
+                    except OSError:  # another filesystem, or no hard links: copy
+                        shutil.copy2(f, d / f.name)
+
+        return self.write(snapshot.version, snapshot.step, link_files, state)
+
+    def snapshots(self) -> list[CheckpointInfo]:
+        """The snapshot directories, oldest version first (step unknown: 0)."""
+        root = self.snapshot_root
+        found = [CheckpointInfo(int(p.name[1:]), 0, p) for p in (root.iterdir() if root.is_dir() else ())
+                 if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit()]
+        return sorted(found, key=lambda i: i.version)
+
+    def drop_snapshots_above(self, version: int) -> list[Path]:
+        """Delete snapshots of versions > ``version``: left by a lineage a restart abandoned (only
+        when the version bus lost what was published; their numbers are about to be reused)."""
+        gone = [self._discard(i) for i in self.snapshots() if i.version > version]
+        for p in gone:
+            log.warning("removed snapshot %s of an abandoned version", p)
+        return gone
+
+    def prune_snapshots(self, keep: int, referenced: Iterable[str | Path] = ()) -> list[Path]:
+        """Delete all but the newest ``keep`` snapshots and those in ``referenced``."""
+        done = self.snapshots()
+        root = self.snapshot_root.resolve()
+        pinned = {q.name for q in (Path(p).resolve() for p in referenced) if q.parent == root}
+        survivors = {i.path.name for i in done[-keep:]} | pinned
+        return [self._discard(i) for i in done if i.path.name not in survivors]
+
+    def _discard(self, info: CheckpointInfo) -> Path:
+        trash = info.path.parent / f"{TRASH_PREFIX}{info.path.name}-{os.urandom(4).hex()}"
+        os.rename(info.path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        return info.path
 
     def load_state(self, info: CheckpointInfo) -> dict[str, Any]:
         """The trainer state of a checkpoint (tensors and plain values only; nothing unpickled)."""
@@ -196,9 +286,6 @@ class CheckpointStore:
             if info.path.name in survivors:
                 continue
             self._known.pop(info.path.name, None)
-            trash = self.root / f"{TRASH_PREFIX}{info.path.name}-{os.urandom(4).hex()}"
-            os.rename(info.path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-            removed.append(info.path)
+            removed.append(self._discard(info))
             log.info("pruned checkpoint version=%d path=%s", info.version, info.path)
         return removed

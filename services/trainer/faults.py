@@ -8,6 +8,8 @@ instant. Unset (the default) it costs one dict lookup. Points, in the order a st
 * ``mid_checkpoint``    checkpoint files written into the temporary directory, not renamed
 * ``after_checkpoint``  checkpoint renamed into place, batches not yet acknowledged
 * ``after_ack``         batches acknowledged, version not yet published
+* ``mid_snapshot``      a weights-only snapshot written into its temporary directory, not renamed
+* ``after_snapshot``    a snapshot renamed into place, its version not yet published
 * ``follower_mid_step`` under torchrun, a rank > 0 between its first forward and backward of a step
 """
 
@@ -21,7 +23,8 @@ from collections import Counter
 log = logging.getLogger(__name__)
 
 ENV = "DRESSAGE_FAULT"
-POINTS = ("after_step", "mid_checkpoint", "after_checkpoint", "after_ack", "follower_mid_step")
+POINTS = ("after_step", "mid_checkpoint", "after_checkpoint", "after_ack", "mid_snapshot", "after_snapshot",
+          "follower_mid_step")
 _hits: Counter[str] = Counter()
 
 

@@ -9,6 +9,14 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
   XACK is acknowledged without training it again — a batch is never trained twice;
 * with ``train.update_weights_interval`` = k > 1 a checkpoint (and a version) comes every k steps;
   batches of the steps in between stay pending, so a crash retrains them from the last checkpoint;
+* with ``train.checkpoint_every_versions`` = n > 1 only every n-th version is a durable checkpoint; the
+  versions between are published from weights-only *snapshots* (not fsynced, no trainer state) and
+  their batches stay pending until the durable checkpoint that contains them: a crash resumes from the
+  last durable checkpoint, retrains those batches, and numbers on above the published version (the
+  snapshot versions are abandoned, never reused). Whenever the trainer finds no batch waiting, the
+  newest snapshot is promoted to a durable checkpoint at once (its files hard-linked beside the state)
+  and its batches are acknowledged: durability is caught up while there is nothing to train, and a
+  pipeline whose pacing waits for acknowledged groups cannot stall on it; a graceful stop does the same;
 * the same MULTI/EXEC appends ``{p}:trainer:trained`` (``batch_ids``, ``group_ids``, ``step``,
   ``version``): the record the history checker (``services.ops.history``) counts trained groups from;
 * a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
@@ -88,9 +96,10 @@ class RecentIds:
 class _CommitJob:
     version: int
     step: int
-    held: list[Held]
+    held: list[Held]  # the batches this commit acknowledges (none for a snapshot)
     weights: dict[str, Any] | None  # None: the model's own (only when written on the loop's thread)
-    state: dict[str, Any]
+    state: dict[str, Any]  # the trainer state a durable checkpoint stores ({} for a snapshot)
+    durable: bool = True  # False: a weights-only snapshot, published without acknowledging anything
 
 
 def _frozen(obj: Any) -> Any:
@@ -118,7 +127,12 @@ class TrainerLoop:
         self.groups_trained = int(st.get("groups_trained", 0))
         self.recent_entries = RecentIds(list(st.get("recent_entry_ids", [])), limit)
         self.recent_batches = RecentIds(list(st.get("recent_batch_ids", [])), limit)
-        self.unsaved: list[Held] = []  # trained, not yet in a checkpoint
+        self.unsaved: list[Held] = []  # trained, not yet in a durable checkpoint
+        # The newest version when it was published from a snapshot (its batches still pending); None
+        # when the newest version is a durable checkpoint. Set by the loop when it cuts a version.
+        self.snapshot: CheckpointInfo | None = None
+        self._cuts_since_durable = 0
+        self._durable_owed = False  # found idle while steps since the snapshot kept it from promotion
         self.consumer = cfg.train.consumer
         self.reader = GroupReader(r, self.keys.batches, GROUP_TRAINER, self.consumer)
         self.heartbeat = Heartbeat(r, self.keys, SERVICE, self.consumer, cfg.ops.heartbeat_ttl_s)
@@ -195,6 +209,7 @@ class TrainerLoop:
         loop.run(step, burst=burst, recover=lambda: self.resync() if started else None, done=self._done)
         try:
             self._join()  # the last version is written, acknowledged and published before we stop
+            self._make_durable()  # and durable, when it was published from a snapshot
         except redis.RedisError as exc:  # its checkpoint is in place: a restart acknowledges and announces it
             log.warning("stopping: the last commit version=%d could not reach redis: %s", self.version, exc)
         if self._committer is not None:
@@ -211,8 +226,15 @@ class TrainerLoop:
 
     def _iterate(self, burst: bool) -> bool:
         self.heartbeat.beat({"step": self.learner.step, "version": self.version})
-        with self.clock.phase("wait"):
-            entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
+        entries: list[Entry] = []
+        if self.snapshot is not None and not burst:  # durability owed: catch it up if nothing is waiting
+            with self.clock.phase("wait"):
+                entries = self.reader.read(count=1, block_ms=None)
+            if not entries:
+                self._make_durable()
+        if not entries:
+            with self.clock.phase("wait"):
+                entries = self.reader.read(count=1, block_ms=None if burst else self.cfg.train.block_ms)
         if not entries:
             self.learner.idle()  # under torchrun: the other ranks hear from rank 0 every block_ms
             return False  # nothing waiting: burst mode ends here, otherwise the next read blocks again
@@ -282,6 +304,7 @@ class TrainerLoop:
             published = self._commit()
         metrics.update({"train/step": self.learner.step, "train/version": self.version,
                         "train/batch_groups": len(batch.groups), "train/published": int(published is not None),
+                        "train/durable": int(published is not None and self.snapshot is None),
                         "train/batch_id": batch.batch_id})
         if gap is not None:
             metrics["train/version_gap_mean"], metrics["train/version_gap_max"] = gap
@@ -302,12 +325,23 @@ class TrainerLoop:
 
     def _commit(self) -> int:
         """Checkpoint the unsaved steps as the next version, acknowledge their batches, publish —
-        here, or on the commit thread while the next step trains (``train.background_commit``)."""
-        held = self.unsaved
+        here, or on the commit thread while the next step trains (``train.background_commit``).
+        Between durable checkpoints (``train.checkpoint_every_versions``) the version is a snapshot:
+        written and published, its batches kept pending."""
+        durable = self._durable_owed or self._cuts_since_durable + 1 >= self.cfg.train.checkpoint_every_versions
+        frozen = self._committer is not None
         with self.clock.phase("checkpoint"):
             self._join()  # one commit at a time: versions are written, acknowledged, published in order
-            job = self._cut(self.version + 1, held, frozen=self._committer is not None)
-        self.unsaved = []  # the commit's now: a failed write ends the process, and a restart retrains them
+            if durable:
+                job = self._cut(self.version + 1, self.unsaved, frozen=frozen)
+            else:
+                job = self._cut_snapshot(self.version + 1, frozen=frozen)
+        if durable:
+            self.unsaved = []  # the commit's now: a failed write ends the process, and a restart retrains them
+            self.snapshot, self._cuts_since_durable, self._durable_owed = None, 0, False
+        else:
+            self.snapshot = CheckpointInfo(job.version, job.step, self.store.snapshot_path(job.version))
+            self._cuts_since_durable += 1
         if self._committer is None:
             self._run_commit(job, timed=True)
         else:
@@ -341,23 +375,60 @@ class TrainerLoop:
         self.recent_entries, self.recent_batches = recent_entries, recent_batches
         return _CommitJob(version, self.learner.step, held, weights, state)
 
+    def _cut_snapshot(self, version: int, frozen: bool) -> _CommitJob:
+        """The next version as a weights-only snapshot; the held batches stay with the loop."""
+        weights, _ = self.learner.export()  # under torchrun: every rank joins this
+        if frozen:
+            weights = _frozen(weights if weights is not None else self.learner.model.state_dict())
+        self.version = version
+        return _CommitJob(version, self.learner.step, [], weights, {}, durable=False)
+
+    def _make_durable(self) -> None:
+        """Promote the newest version's snapshot to a durable checkpoint and acknowledge its batches
+        (when idle, and before stopping). Steps trained since it was cut make that impossible: the
+        next version is then written durable instead."""
+        if self.snapshot is None:
+            return
+        self._join()
+        if self.learner.step != self.snapshot.step:
+            self._durable_owed = True
+            return
+        snapshot = self.snapshot
+        with self.clock.phase("checkpoint"):
+            job = self._cut(snapshot.version, self.unsaved, frozen=False)
+            self.store.promote(snapshot, job.state)
+        fault_point("after_checkpoint")
+        self.unsaved = []
+        self.snapshot, self._cuts_since_durable, self._durable_owed = None, 0, False
+        with self.clock.phase("publish"):
+            self._ack(job.held, job.step, job.version)
+        log.info("promoted snapshot version=%d to a durable checkpoint (%d batches acknowledged)",
+                 snapshot.version, len(job.held))
+
     def _run_commit(self, job: _CommitJob, timed: bool) -> None:
         """Write → acknowledge → publish one version (``timed``: on the loop, inside its phases)."""
         with self.clock.phase("checkpoint") if timed else contextlib.nullcontext():
-            info = self._write_checkpoint(job)
-        fault_point("after_checkpoint")
+            info = self._write_checkpoint(job) if job.durable else self._write_snapshot(job)
+        fault_point("after_checkpoint" if job.durable else "after_snapshot")
         with self.clock.phase("publish") if timed else contextlib.nullcontext():
-            self._ack(job.held, job.step, job.version)
-            fault_point("after_ack")
+            if job.durable:
+                self._ack(job.held, job.step, job.version)
+                fault_point("after_ack")
             self._publish(info)
 
-    def _write_checkpoint(self, job: _CommitJob) -> CheckpointInfo:
+    def _save_weights(self, job: _CommitJob) -> Any:
         def save_weights(d: Any) -> None:
             self.learner.model.save_pretrained(d, safe_serialization=True, state_dict=job.weights)  # None: its own
             self.tokenizer.save_pretrained(d)
             make_loadable(d)  # transformers 4.5x (SGLang's pin) reads the checkpoint too
 
-        return self.store.write(job.version, job.step, save_weights, job.state)
+        return save_weights
+
+    def _write_checkpoint(self, job: _CommitJob) -> CheckpointInfo:
+        return self.store.write(job.version, job.step, self._save_weights(job), job.state)
+
+    def _write_snapshot(self, job: _CommitJob) -> CheckpointInfo:
+        return self.store.write_snapshot(job.version, job.step, self._save_weights(job))
 
     def _ack(self, held: list[Held], step: int | None = None, version: int | None = None) -> None:
         """XACK + counters + the trained record in one MULTI (``step``/``version``: of the commit)."""
@@ -386,6 +457,7 @@ class TrainerLoop:
         except redis.RedisError:
             pinned = [str(p.path) for p in self.store.complete()]  # unknown: prune nothing this time
         self.store.prune(self.cfg.train.keep_checkpoints, referenced=[info.path, *pinned])
+        self.store.prune_snapshots(self.cfg.train.keep_snapshots, referenced=[info.path, *pinned])
         every = self.cfg.eval.every_versions
         if every and info.version % every == 0:
             self._enqueue_eval(wv)

@@ -11,6 +11,10 @@ latest *published* version:
 | C | P == C | C | nothing | C |
 | C | P > C | C | nothing (warns: checkpoints behind the bus) | P |
 
+P > C is routine with ``train.checkpoint_every_versions`` > 1: versions C+1..P were published from
+weights-only snapshots; their batches are still pending and are retrained from C, and P's weights
+are abandoned (the next version, P + 1, replaces them on the engines).
+
 The next version is always ``counter + 1``, i.e. ``max(C, P) + 1``: versions strictly increase
 across restarts and a number is never reused. Only complete checkpoints are ever considered.
 
@@ -92,7 +96,7 @@ def plan_resume(newest: CheckpointInfo | None, published: WeightVersion | None, 
     c = newest.version
     if p is None or p < c:
         return ResumePlan(newest.path, newest, c, write_initial=False, publish=newest)
-    if p > c:
-        log.warning("published version=%d is newer than the newest checkpoint version=%d; "
-                    "resuming from the checkpoint, next version=%d", p, c, p + 1)
+    if p > c:  # the versions above C were snapshots (train.checkpoint_every_versions) or lost checkpoints
+        log.warning("published version=%d is newer than the newest checkpoint version=%d; resuming from the "
+                    "checkpoint (its pending batches are retrained), next version=%d", p, c, p + 1)
     return ResumePlan(newest.path, newest, max(c, p), write_initial=False, publish=None)

@@ -52,6 +52,7 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
             latest = None
         plan = plan_resume(newest, latest, Path(cfg.model.path),
                            published_complete=latest is not None and not missing_files(latest.path))
+        store.drop_snapshots_above(plan.version)  # numbers the next versions reuse (the bus lost them)
     plan = parallel.broadcast(plan)
     restored = store.load_state(plan.checkpoint) if plan.checkpoint is not None else None
     if restored is None:

@@ -11,6 +11,7 @@ import redis
 import torch
 from rq.job import Job
 from trainer_factory import batch, batch_fields, tiny_model, trainer_config
+from waits import wait_for
 
 from services.eval_worker.admission import JobPolicy
 from services.eval_worker.worker import build_worker, run_worker
@@ -24,7 +25,7 @@ from shared.redisproc import RedisProcess
 from shared.schemas import DeadLetter
 from shared.tasks import get_task, write_dataset
 from shared.telemetry import read_metrics
-from shared.versionbus import VersionWatcher, published_versions
+from shared.versionbus import VersionWatcher, published_versions, read_latest
 
 torch.set_num_threads(1)
 
@@ -117,6 +118,68 @@ def test_interval_two_acks_only_at_the_checkpoint_boundary(
     assert isinstance(again, TrainerLoop)  # one process: rank 0
     state = CheckpointStore(cfg.train.checkpoint_dir).load_state(again.store.newest())  # type: ignore[arg-type]  # a checkpoint exists
     assert state["step"] == 4 and state["consumed_batch_ids"] == ["b3", "b4"]
+
+
+def test_between_durable_checkpoints_versions_are_snapshots_and_their_batches_stay_pending(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    cfg = trainer_config(tmp_path, model_dir, redis_server.url, keys.prefix, checkpoint_every_versions=3,
+                         keep_snapshots=10, max_steps=4)
+    ids = [i.decode() for i in push(redis_client, keys, "b1", "b2", "b3", "b4", "b5")]
+    trainer = open_trainer(cfg, redis_client, with_sinks=False)
+    assert isinstance(trainer, TrainerLoop)
+    trainer.run(burst=True)  # max_steps 4: b5 is never read
+    store = CheckpointStore(cfg.train.checkpoint_dir)
+    assert published_versions(redis_client, keys) == ["0", "1", "2", "3", "4"]
+    # v3 is the third version cut: durable; v4 (a snapshot) was promoted when the trainer stopped.
+    assert [i.version for i in store.complete()] == [0, 3, 4]
+    assert [i.version for i in store.snapshots()] == [1, 2, 4]
+    assert [store.load_state(i)["consumed_entry_ids"] for i in store.complete()] == [[], ids[:3], [ids[3]]]
+    rows = read_metrics(redis_client, keys, "trainer")
+    assert [m["train/durable"] for m in rows] == [0, 0, 1, 0]  # the promotion at the stop is not a step
+    latest_wv = read_latest(redis_client, keys)
+    assert latest_wv is not None and Path(latest_wv.path) == store.snapshot_path(4).resolve()  # published as a snapshot
+    assert pending(redis_client, keys) == 0 and stats(redis_client, keys)["batches_trained"] == 4
+
+
+def test_a_restart_after_snapshots_retrains_their_batches_and_numbers_on(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    cfg = trainer_config(tmp_path, model_dir, redis_server.url, keys.prefix, checkpoint_every_versions=10)
+    push(redis_client, keys, "b1", "b2")
+    first = open_trainer(cfg, redis_client, with_sinks=False)
+    assert isinstance(first, TrainerLoop)
+    first.start()
+    assert first._iterate(burst=True) and first._iterate(burst=True)  # two snapshots, no stop (as if killed)
+    assert published_versions(redis_client, keys) == ["0", "1", "2"] and pending(redis_client, keys) == 2
+    push(redis_client, keys, "b3")
+    again = open_trainer(cfg, redis_client, with_sinks=False)
+    assert isinstance(again, TrainerLoop)
+    assert again.learner.step == 0 and again.version == 2  # weights of v0, numbering above the published v2
+    again.run(burst=True)
+    assert published_versions(redis_client, keys) == ["0", "1", "2", "3", "4", "5"]
+    store = CheckpointStore(cfg.train.checkpoint_dir)
+    assert [i.version for i in store.complete()] == [0, 5]
+    final = store.load_state(store.complete()[-1])
+    assert final["step"] == 3 and final["consumed_batch_ids"] == ["b1", "b2", "b3"]  # each trained once
+    assert pending(redis_client, keys) == 0 and stats(redis_client, keys)["batches_trained"] == 3
+
+
+def test_an_idle_trainer_makes_its_newest_snapshot_durable_at_once(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    cfg = trainer_config(tmp_path, model_dir, redis_server.url, keys.prefix, checkpoint_every_versions=100)
+    trainer = open_trainer(cfg, redis_client, with_sinks=False)
+    assert isinstance(trainer, TrainerLoop)
+    worker = threading.Thread(target=trainer.run, daemon=True)
+    worker.start()
+    try:
+        push(redis_client, keys, "b1", "b2")
+        wait_for(lambda: stats(redis_client, keys).get("batches_trained") == 2, timeout=60, what="promotion")
+        assert pending(redis_client, keys) == 0  # acknowledged while the trainer still runs
+        store = CheckpointStore(cfg.train.checkpoint_dir)
+        assert store.complete()[-1].version == int(published_versions(redis_client, keys)[-1])
+    finally:
+        trainer.stop.set()
+        worker.join(30)
+    assert not worker.is_alive()
 
 
 def test_published_versions_are_evaluated_by_the_rq_worker(

@@ -45,9 +45,10 @@ def run_trainer(config: Path, fault: str | None = None) -> subprocess.CompletedP
 
 
 def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys,
-              background: bool = False) -> tuple[Path, list[str]]:
-    cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix, background_commit=background)
-    ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, N_BATCHES + 1)]
+              background: bool = False, durable_every: int = 1, n_batches: int = N_BATCHES) -> tuple[Path, list[str]]:
+    cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix, background_commit=background,
+                         checkpoint_every_versions=durable_every)
+    ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, n_batches + 1)]
     return write_config_yaml(tmp_path / "cfg.yaml", cfg), ids
 
 
@@ -123,7 +124,9 @@ def assert_safe(r: redis.Redis, keys: Keys, store: CheckpointStore, ids: list[st
     acknowledged = delivered - set(pending_ids(r, keys))
     assert acknowledged <= set(consumed), (acknowledged, consumed)
     published = [int(v) for v in published_versions(r, keys)]
-    assert published == sorted(set(published)) and set(published) <= {i.version for i in store.complete()}
+    assert published == sorted(set(published))
+    latest = published[-1]  # the newest announced version's files are complete: a checkpoint or a snapshot
+    assert latest in {i.version for i in store.complete()} | {i.version for i in store.snapshots()}
 
 
 def test_kill_at_every_protocol_point_with_the_commit_thread_loses_nothing_and_trains_nothing_twice(
@@ -139,6 +142,41 @@ def test_kill_at_every_protocol_point_with_the_commit_thread_loses_nothing_and_t
     proc = run_trainer(config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_history(r, keys, store, ids)
+
+
+SNAPSHOT_FAULTS = ("mid_snapshot:1", "after_snapshot:1", "after_step:2", "mid_checkpoint:1", "after_checkpoint:1",
+                   "after_ack:1")
+
+
+@pytest.mark.parametrize(("background", "faults"), [(False, SNAPSHOT_FAULTS),
+                                                    (True, ("after_snapshot:1", "after_step:2", "after_ack:1"))],
+                         ids=["loop", "commit-thread"])
+def test_kill_at_every_point_between_durable_checkpoints_loses_nothing_and_trains_nothing_twice(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path,
+        background: bool, faults: tuple[str, ...]) -> None:
+    # train.checkpoint_every_versions = 2: every other version is a weights-only snapshot whose batch
+    # stays pending; a kill anywhere loses only what snapshots held (retrained from the last durable
+    # checkpoint, numbered above the published version).
+    r, n = redis_client, 8
+    config, ids = setup_run(tmp_path, model_dir, redis_server, r, keys, background=background, durable_every=2,
+                            n_batches=n)
+    store = CheckpointStore(tmp_path / "ckpt")
+    for fault in faults:
+        crash(config, fault)
+        assert_safe(r, keys, store, ids)
+    proc = run_trainer(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    published = [int(v) for v in published_versions(r, keys)]
+    assert published == sorted(set(published)) and published[0] == 0  # each once, increasing
+    done = store.complete()
+    consumed = [e for i in done for e in store.load_state(i)["consumed_entry_ids"]]
+    assert consumed == ids  # every batch in exactly one durable checkpoint, none twice
+    final = store.load_state(done[-1])
+    assert final["step"] == n and final["batches_trained"] == n  # trained once each
+    assert done[-1].version == published[-1]  # the stop made the newest version durable
+    assert int(r.xpending(keys.batches, GROUP_TRAINER)["pending"]) == 0
+    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == n
+    assert not [p for p in store.snapshot_root.iterdir() if p.name.startswith(".")]  # temp dirs cleaned up
 
 
 def test_sigterm_stops_the_trainer_cleanly_with_exit_code_0(

@@ -120,3 +120,59 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path: Path) -> No
     want = (random.random(), torch.rand(3).tolist())
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), torch.rand(3).tolist()) == want
+
+
+def snapshot(store: CheckpointStore, version: int, model_and_tok) -> CheckpointInfo:
+    model, tok = model_and_tok
+
+    def save(d: Path) -> None:
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+
+    return store.write_snapshot(version, version * 2, save)
+
+
+def test_a_snapshot_is_a_loadable_model_but_never_a_checkpoint(tmp_path: Path, model_and_tok) -> None:
+    store = CheckpointStore(tmp_path)
+    write(store, 0, model_and_tok)
+    info = snapshot(store, 1, model_and_tok)
+    assert info.path == tmp_path / "snapshots" / "v00000001" and info.path.is_dir()
+    load_model(info.path)  # engines and evaluations load it like any model directory
+    assert not (info.path / STATE_FILE).exists()
+    assert [i.version for i in store.complete()] == [0]  # never resumed from
+    assert [i.version for i in store.snapshots()] == [1]
+    with pytest.raises(CheckpointError, match="never reused"):
+        snapshot(store, 1, model_and_tok)
+
+
+def test_promoting_a_snapshot_links_its_files_beside_the_state(tmp_path: Path, model_and_tok) -> None:
+    store = CheckpointStore(tmp_path)
+    snap = snapshot(store, 3, model_and_tok)
+    info = store.promote(snap, {"version": 3, "ids": ["7-0"]})
+    assert info.path == tmp_path / "v00000003" and [i.version for i in store.complete()] == [3]
+    weights, linked = snap.path / "model.safetensors", info.path / "model.safetensors"
+    assert weights.stat().st_ino == linked.stat().st_ino  # hard-linked, not written again
+    assert store.load_state(info)["ids"] == ["7-0"]
+    snapshot(store, 4, model_and_tok)
+    assert store.prune_snapshots(1) == [snap.path]  # the snapshot can go: the checkpoint keeps its own link
+    assert not snap.path.exists() and linked.is_file() and load_model(info.path) is not None
+
+
+def test_snapshots_are_pruned_to_the_newest_and_the_referenced(tmp_path: Path, model_and_tok) -> None:
+    store = CheckpointStore(tmp_path)
+    paths = [snapshot(store, v, model_and_tok).path for v in range(1, 6)]
+    removed = store.prune_snapshots(2, referenced=[paths[0]])
+    assert removed == paths[1:3]
+    assert [i.version for i in store.snapshots()] == [1, 4, 5]
+    assert not [p for p in store.snapshot_root.iterdir() if p.name.startswith(".")]
+
+
+def test_leftover_snapshot_temp_dirs_go_at_start_and_abandoned_ones_on_request(tmp_path: Path,
+                                                                                model_and_tok) -> None:
+    store = CheckpointStore(tmp_path)
+    for v in (1, 2, 3):
+        snapshot(store, v, model_and_tok)
+    (store.snapshot_root / ".tmp-v00000004-x").mkdir()
+    assert [p.name for p in store.cleanup_temp()] == [".tmp-v00000004-x"]
+    assert store.drop_snapshots_above(1) == [store.snapshot_path(2), store.snapshot_path(3)]
+    assert [i.version for i in store.snapshots()] == [1]
