@@ -252,6 +252,9 @@ class TrainConfig(Section):
     # next durable one (promoted at once whenever the trainer has nothing to train). 1: every version.
     checkpoint_every_versions: int = Field(default=1, ge=1, le=100_000)
     keep_snapshots: int = Field(default=4, ge=1, le=1000)  # weights-only snapshots kept (+ the published one)
+    # With a snapshot's batches pending, a trainer that has found no batch for this long makes that version
+    # durable at once (idle time, and pacing counts acknowledged groups); a shorter wait does not trigger it.
+    durable_when_idle_ms: int = Field(default=250, ge=1, le=60_000)
     # Write the checkpoint, acknowledge and publish on a commit thread while the next step trains (one
     # commit in flight; costs a host copy of weights + optimizer state meanwhile). Off: all on the loop.
     # Off by default: on the 2-core CPU demo rollout is the bottleneck and it did not pay (docs/trainer.md).

@@ -13,10 +13,11 @@ Invariants (ARCHITECTURE §6–7, docs/trainer.md):
   versions between are published from weights-only *snapshots* (not fsynced, no trainer state) and
   their batches stay pending until the durable checkpoint that contains them: a crash resumes from the
   last durable checkpoint, retrains those batches, and numbers on above the published version (the
-  snapshot versions are abandoned, never reused). Whenever the trainer finds no batch waiting, the
-  newest snapshot is promoted to a durable checkpoint at once (its files hard-linked beside the state)
-  and its batches are acknowledged: durability is caught up while there is nothing to train, and a
-  pipeline whose pacing waits for acknowledged groups cannot stall on it; a graceful stop does the same;
+  snapshot versions are abandoned, never reused). When the trainer has found no batch for
+  ``train.durable_when_idle_ms``, the newest snapshot is promoted to a durable checkpoint (its files
+  hard-linked beside the state) and its batches are acknowledged: durability is caught up while there
+  is nothing to train, and a pipeline whose pacing waits for acknowledged groups cannot stall on it
+  (a short wait between two batches does not trigger it); a graceful stop does the same;
 * the same MULTI/EXEC appends ``{p}:trainer:trained`` (``batch_ids``, ``group_ids``, ``step``,
   ``version``): the record the history checker (``services.ops.history``) counts trained groups from;
 * a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
@@ -227,9 +228,9 @@ class TrainerLoop:
     def _iterate(self, burst: bool) -> bool:
         self.heartbeat.beat({"step": self.learner.step, "version": self.version})
         entries: list[Entry] = []
-        if self.snapshot is not None and not burst:  # durability owed: catch it up if nothing is waiting
+        if self.snapshot is not None and not burst:  # durability owed: catch it up once idle for a while
             with self.clock.phase("wait"):
-                entries = self.reader.read(count=1, block_ms=None)
+                entries = self.reader.read(count=1, block_ms=self.cfg.train.durable_when_idle_ms)
             if not entries:
                 self._make_durable()
         if not entries:
