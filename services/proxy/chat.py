@@ -13,7 +13,7 @@ from typing import Any
 
 from services.proxy.errors import UnsupportedParameter
 from services.proxy.schemas import ChatMessage, ChatRequest, NamedToolChoice
-from services.proxy.turns import TurnPlan, forced_tool
+from services.proxy.turns import TurnPlan, forced_tool, refuse_strict
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
@@ -38,6 +38,7 @@ def template_message(m: ChatMessage, where: str) -> dict[str, Any]:
 
 
 def chat_plan(req: ChatRequest, default_max_tokens: int) -> TurnPlan:
+    refuse_strict((f"tools.{i}.function.strict", t.function.strict) for i, t in enumerate(req.tools or []))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     force = None
     if req.tool_choice == "required":

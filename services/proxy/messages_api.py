@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.proxy.errors import ProxyError, UnsupportedParameter
 from services.proxy.openai_format import dressage_block, sse
-from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool
+from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool, refuse_strict
 from shared.toolcalls import TextPiece, ToolCall
 
 MESSAGES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -102,6 +102,7 @@ def messages_plan(req: MessagesRequest) -> TurnPlan:
     for i, t in enumerate(req.tools or []):
         if t.get("type") not in (None, "custom"):
             raise UnsupportedParameter(f"tools.{i}.type", f"server tool {t.get('type')!r} is not available")
+        refuse_strict([(f"tools.{i}.strict", t.get("strict"))])
         tools.append({"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                        "parameters": t.get("input_schema")}})
     choice = (req.tool_choice or {}).get("type", "auto")

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.proxy.errors import ProxyError, UnsupportedParameter
 from services.proxy.openai_format import dressage_block, sse
-from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool
+from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool, refuse_strict
 from shared.toolcalls import TextPiece, ToolCall
 
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -99,6 +99,7 @@ def responses_plan(req: ResponsesRequest, default_max_tokens: int) -> TurnPlan:
     for i, t in enumerate(req.tools or []):
         if t.get("type") != "function":
             raise UnsupportedParameter(f"tools.{i}.type", f"hosted tool {t.get('type')!r} is not available")
+        refuse_strict([(f"tools.{i}.strict", t.get("strict"))])
         tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                        if k in t}})
     force = None

@@ -94,7 +94,7 @@ class FunctionDef(BaseModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments
-    strict: bool | None = None
+    strict: bool | None = None  # true: 400 (schema-guaranteed arguments are not implemented, turns.refuse_strict)
 
 
 class ToolDef(BaseModel):

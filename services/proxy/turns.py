@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,16 @@ def forced_tool(tools: list[dict[str, Any]] | None, name: str | None) -> str:
     if name is not None and name not in names:
         raise UnsupportedParameter("tool_choice", f"no function named {name!r} in tools ({', '.join(names)})")
     return name or ""
+
+
+def refuse_strict(flags: Iterable[tuple[str, Any]]) -> None:
+    """400 naming the first ``(field path, value)`` that asks for ``strict`` tools: OpenAI's strict
+    function calling and Anthropic's strict tool use guarantee arguments that match the schema
+    (constrained decoding), which this proxy does not do. ``false`` / absent is what it serves."""
+    for where, strict in flags:
+        if strict is not None and strict is not False:
+            raise UnsupportedParameter(where, "strict tools (arguments guaranteed to match the schema) are not "
+                                              "implemented; omit strict or send false")
 
 
 @dataclass

@@ -324,6 +324,31 @@ def test_streamed_tool_calls_on_responses_and_messages_carry_the_whole_call() ->
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
 
 
+@pytest.mark.parametrize(("path", "tool", "field"), [
+    ("/v1/chat/completions", {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}},
+     "tools.0.function.strict"),
+    ("/v1/responses", {"type": "function", "name": "lookup", "parameters": {"type": "object"}}, "tools.0.strict"),
+    ("/v1/messages", {"name": "lookup", "input_schema": {"type": "object"}}, "tools.0.strict"),
+])
+def test_strict_tools_are_refused_by_name_and_strict_false_is_served(path: str, tool: dict[str, Any],
+                                                                     field: str) -> None:
+    def with_strict(value: bool) -> dict[str, Any]:
+        if "function" in tool:
+            return {**tool, "function": {**tool["function"], "strict": value}}
+        return {**tool, "strict": value}
+
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        body = ({"input": "code of qzt?", "max_output_tokens": 5} if path == "/v1/responses"
+                else {"messages": MSG, "max_tokens": 5})
+        r = await c.post(path, json={**body, "tools": [with_strict(True)]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (field, "unsupported_parameter") and eng.generate_bodies == []
+        assert (await c.post(path, json={**body, "tools": [with_strict(False)]})).status_code == 200
+        assert (await c.post(path, json={**body, "tools": [tool]})).status_code == 200
+    run_proxy(t)
+
+
 @pytest.mark.parametrize(("path", "single"), [
     ("/v1/chat/completions", {"parallel_tool_calls": False}), ("/v1/responses", {"parallel_tool_calls": False}),
     ("/v1/messages", {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}), ("/v1/chat/completions", {}),
