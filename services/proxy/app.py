@@ -145,7 +145,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         if not plan.stream:
             return JSONResponse(whole(await run_turn(rt, sid, partial, plan), req), headers=headers)
         live = await LiveTurn.start(rt, sid, partial, plan)
-        await live.started()  # a refusal before the first token is still an HTTP error
+        await live.started()  # a refusal before the turn is admitted is still an HTTP error; later ones are in-band
         return StreamingResponse(streamed(live, req), media_type="text/event-stream", headers=headers)
 
     def chat_logprobs(req: ChatRequest) -> int | None:

@@ -370,13 +370,17 @@ class GenerationController:
 
     async def generate(self, session_id: str, earlier: list[str], input_ids: list[int], max_new_tokens: int,
                        sampling: dict[str, Any], partial: bool, sink: TokenSink | None = None,
-                       request_fields: dict[str, Any] | None = None) -> Generation:
+                       request_fields: dict[str, Any] | None = None,
+                       admitted: Callable[[], None] | None = None) -> Generation:
         """Run one request to completion across preemptions; raises a ProxyError when refused.
 
         ``sink`` sees every token as the engines produce it (streamed when ``sink.stream``),
         across preemptions, only after the version checks passed; once it asks to stop, the
         engine request is aborted and the generation ends ``stop`` with ``sink.keep`` tokens.
-        ``request_fields`` are extra top-level ``/generate`` fields (``top_logprobs_num``)."""
+        ``request_fields`` are extra top-level ``/generate`` fields (``top_logprobs_num``).
+        ``admitted`` (idempotent) is called before the first wait for a resume or once the first
+        dispatch passed its version check: a streamed response opens then, and later refusals
+        reach the client in-band."""
         gen = Generation()
         streamed = sink is not None and sink.stream
 
@@ -396,6 +400,8 @@ class GenerationController:
             if not self.runnable(session_id):
                 self._suspended += bool(gen.chunks)
                 self.metrics.suspended.set(self._suspended)
+                if admitted is not None:
+                    admitted()  # a wait for a resume can be long: the client hears from us first
                 try:
                     await self._wait_runnable(session_id)
                 finally:
@@ -404,6 +410,8 @@ class GenerationController:
                 continue  # re-check: another pause may have started while we woke up
             if self.current_version is not None:  # before any compute: the version the engines run now
                 self.check(session_id, [*earlier, *gen.versions], [self.current_version], partial)
+            if admitted is not None:
+                admitted()
             if gen.chunks:
                 self.metrics.resumes.inc()
             remaining = max_new_tokens - len(gen.output_ids)

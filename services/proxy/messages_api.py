@@ -5,7 +5,9 @@ messages and ``tools`` (``input_schema``) chat tools; the turn runs like a chat 
 a ``message`` with ``text`` and ``tool_use`` content blocks and Anthropic's ``stop_reason``
 (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``); streaming sends Anthropic's
 events (``message_start``, ``content_block_start/delta/stop``, ``message_delta``,
-``message_stop``) as tokens are produced. Forced tool use (``tool_choice`` ``any`` / ``tool``) is
+``message_stop``) as tokens are produced, a ``tool_use`` block's ``input_json_delta`` pieces as its
+arguments are written; a refusal after the stream opened is one ``error`` event with the
+error's staleness fields. Forced tool use (``tool_choice`` ``any`` / ``tool``) is
 served as for chat (``turns.forced_tool``). Images, documents, server tools, extended thinking and
 any field not implemented here (``MESSAGES_NO_EFFECT`` aside) are refused (400 naming the field).
 """
@@ -22,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.proxy.errors import ProxyError, UnsupportedParameter
 from services.proxy.openai_format import dressage_block, sse
 from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool, refuse_strict
-from shared.toolcalls import TextPiece, ToolCall
+from shared.toolcalls import ArgsDelta, CallStart, TextPiece, ToolCall
 
 MESSAGES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "thinking": (None, "this policy has no extended thinking"),
@@ -117,8 +119,10 @@ def messages_plan(req: MessagesRequest) -> TurnPlan:
                     top_p=req.top_p, top_k=req.top_k, stream=req.stream)
 
 
-def _tool_block(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": f"toolu_{call.id[5:]}", "name": call.name, "input": json.loads(call.arguments)}
+def _tool_block(call: ToolCall | CallStart) -> dict[str, Any]:
+    """A ``tool_use`` block; a call still being written has an empty input (its JSON streams after)."""
+    return {"type": "tool_use", "id": f"toolu_{call.id[5:]}", "name": call.name,
+            "input": json.loads(call.arguments) if isinstance(call, ToolCall) else {}}
 
 
 def stop_reason(res: TurnResult) -> str:
@@ -156,22 +160,23 @@ async def message_stream(live: LiveTurn, model: str) -> AsyncIterator[bytes]:
                     yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                     text_open = True
                 yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": ev.text})
-            elif isinstance(ev, ToolCall):
+            elif isinstance(ev, CallStart):
                 if text_open:
                     yield event("content_block_stop", index=index)
                     index, text_open = index + 1, False
-                block = _tool_block(ev)
-                yield event("content_block_start", index=index, content_block={**block, "input": {}})
+                yield event("content_block_start", index=index, content_block=_tool_block(ev))
+            elif isinstance(ev, ArgsDelta):
                 yield event("content_block_delta", index=index,
-                            delta={"type": "input_json_delta", "partial_json": ev.arguments})
+                            delta={"type": "input_json_delta", "partial_json": ev.text})
+            else:  # ToolCall, or CallDropped (its text follows in a text block)
                 yield event("content_block_stop", index=index)
                 index += 1
     if text_open:
         yield event("content_block_stop", index=index)
     try:
         res = live.result()
-    except ProxyError as exc:
-        yield event("error", error={"type": exc.detail_body()["error"]["type"], "message": exc.message})
+    except ProxyError as exc:  # Anthropic's in-band error: {type, message} and the staleness fields
+        yield event("error", error=exc.detail_body()["error"])
         return
     yield event("message_delta", delta={"stop_reason": stop_reason(res), "stop_sequence": res.output.matched_stop},
                 usage={"output_tokens": len(res.gen.output_ids)},

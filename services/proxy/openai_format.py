@@ -1,9 +1,12 @@
 """Response shapes of the OpenAI chat API (whole and streamed) and SGLang-like token responses.
 
 Pure functions of a finished ``TurnResult`` or of the events of a live one. Streaming is real:
-``chat_stream`` sends a ``chat.completion.chunk`` for each batch of events as the tokens are
-produced (a preemption and its resume inside the turn are invisible: the stream just pauses),
-tool calls as complete ``delta.tool_calls`` entries; with ``logprobs``, the last chunk of each
+``chat_stream`` sends the role chunk as soon as the turn is admitted, then a
+``chat.completion.chunk`` for each event as the tokens are produced (a preemption and its resume
+inside the turn are invisible: the stream just pauses). A tool call streams as OpenAI's do: a first
+``delta.tool_calls`` entry with ``index``, ``id``, ``type`` and ``function.name`` (arguments
+``""``) once the model wrote its name, then ``{index, function: {arguments}}`` pieces as it writes
+them, which concatenated are the whole response's ``arguments``; with ``logprobs``, the last chunk of each
 batch carries the logprobs of the tokens behind its text (``LiveTurn.settled``), so the chunks'
 entries concatenated are exactly the whole response's list; then the finish chunk (with the
 logprobs of the tokens not sent yet, and ``token_ids`` of the whole response when asked), the usage chunk when
@@ -23,7 +26,7 @@ from services.proxy.controller import Generation
 from services.proxy.errors import ProxyError
 from services.proxy.turns import LiveTurn, TurnResult
 from shared.staleness import ordered_real_versions
-from shared.toolcalls import TextPiece, ToolCall
+from shared.toolcalls import ArgsDelta, CallDropped, CallStart, TextPiece, ToolCall
 
 Decode = Callable[[list[int]], str]
 
@@ -103,15 +106,19 @@ async def chat_stream(live: LiveTurn, model: str, include_usage: bool, logprobs:
 
     first: dict[str, Any] = {"prompt_token_ids": live.prompt_ids} if token_ids else {}
     yield chunk({"role": "assistant", "content": ""}, **first)
-    n_calls = sent = 0  # tool calls streamed; tokens whose logprobs were sent
+    n_calls = sent = 0  # tool calls ended; tokens whose logprobs were sent
     out = live.output
     async for batch in live.events():
         deltas: list[dict[str, Any]] = []
         for ev in batch:
             if isinstance(ev, TextPiece):
                 deltas.append({"content": ev.text})
-            elif isinstance(ev, ToolCall):
-                deltas.append({"tool_calls": [ev.openai(index=n_calls)]})
+            elif isinstance(ev, CallStart):
+                deltas.append({"tool_calls": [{"index": n_calls, "id": ev.id, "type": "function",
+                                               "function": {"name": ev.name, "arguments": ""}}]})
+            elif isinstance(ev, ArgsDelta):
+                deltas.append({"tool_calls": [{"index": n_calls, "function": {"arguments": ev.text}}]})
+            elif isinstance(ev, ToolCall | CallDropped):  # the call is over (a dropped one's text follows)
                 n_calls += 1
         for i, delta in enumerate(deltas):
             lp: dict[str, Any] = {}

@@ -6,7 +6,9 @@ chat tools; the turn runs like a chat turn (same session, partial rollout, versi
 The answer is a ``response`` object whose ``output`` holds one ``message`` item (the text) and one
 ``function_call`` item per tool call. Streaming sends Responses' typed events as the tokens come
 (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``), the wire
-Codex-style CLIs read. Nothing is stored server-side: ``previous_response_id`` and the other
+Codex-style CLIs read; a function call as ``output_item.added`` once its name is written, then
+``function_call_arguments.delta`` pieces as its arguments are (``shared.toolcalls``); a refusal
+after the stream opened as ``error`` then ``response.failed``, with the error's staleness fields. Nothing is stored server-side: ``previous_response_id`` and the other
 fields this proxy cannot honour are refused (400 naming the field).
 """
 
@@ -22,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.proxy.errors import ProxyError, UnsupportedParameter
 from services.proxy.openai_format import dressage_block, sse
 from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, forced_tool, refuse_strict
-from shared.toolcalls import TextPiece, ToolCall
+from shared.toolcalls import ArgsDelta, CallStart, TextPiece, ToolCall
 
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "previous_response_id": (None, "responses are not stored; send the whole conversation as input"),
@@ -119,9 +121,11 @@ def _message_item(text: str, item_id: str, status: str = "completed") -> dict[st
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []}
 
 
-def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+def _call_item(call: ToolCall | CallStart, arguments: str | None = None, status: str = "completed") -> dict[str, Any]:
+    """A ``function_call`` output item; ``arguments`` default: the finished call's."""
+    args = arguments if arguments is not None else call.arguments if isinstance(call, ToolCall) else ""
     return {"type": "function_call", "id": f"fc_{call.id[5:]}", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": status}
+            "arguments": args, "status": status}
 
 
 def _envelope(resp_id: str, req: ResponsesRequest, model: str, created: float) -> dict[str, Any]:
@@ -163,11 +167,12 @@ async def response_stream(live: LiveTurn, req: ResponsesRequest, model: str) -> 
     yield event("response.created", response=env)
     yield event("response.in_progress", response=env)
     output: list[dict[str, Any]] = []
-    msg_id, text = f"msg_{uuid.uuid4().hex}", ""
+    msg_id, text = f"msg_{uuid.uuid4().hex}", ""  # the message item being written, if any
     msg_index: int | None = None
+    call_index, args = 0, ""  # the function_call item being written and its arguments so far
 
     def close_text() -> list[bytes]:
-        nonlocal msg_index
+        nonlocal msg_index, msg_id, text
         if msg_index is None:
             return []
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -176,7 +181,7 @@ async def response_stream(live: LiveTurn, req: ResponsesRequest, model: str) -> 
                event("response.content_part.done", item_id=msg_id, output_index=msg_index, content_index=0, part=part),
                event("response.output_item.done", output_index=msg_index, item=_message_item(text, msg_id))]
         output[msg_index] = _message_item(text, msg_id)
-        msg_index = None
+        msg_index, msg_id, text = None, f"msg_{uuid.uuid4().hex}", ""
         return out
 
     async for batch in live.events():
@@ -191,25 +196,31 @@ async def response_stream(live: LiveTurn, req: ResponsesRequest, model: str) -> 
                 text += ev.text
                 yield event("response.output_text.delta", item_id=msg_id, output_index=msg_index, content_index=0,
                             delta=ev.text, logprobs=[])
-            elif isinstance(ev, ToolCall):
+            elif isinstance(ev, CallStart):
                 for b in close_text():
                     yield b
-                item = _call_item(ev)
-                index = len(output)
-                output.append(item)
-                yield event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                   "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=ev.arguments)
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=ev.name, arguments=ev.arguments)
-                yield event("response.output_item.done", output_index=index, item=item)
+                call_index, args = len(output), ""
+                output.append(_call_item(ev, "", "in_progress"))
+                yield event("response.output_item.added", output_index=call_index, item=output[call_index])
+            elif isinstance(ev, ArgsDelta):
+                args += ev.text
+                yield event("response.function_call_arguments.delta", item_id=output[call_index]["id"],
+                            output_index=call_index, delta=ev.text)
+            elif isinstance(ev, ToolCall):
+                output[call_index] = _call_item(ev)
+                yield event("response.function_call_arguments.done", item_id=output[call_index]["id"],
+                            output_index=call_index, name=ev.name, arguments=ev.arguments)
+                yield event("response.output_item.done", output_index=call_index, item=output[call_index])
+            else:  # CallDropped: the call never completes; its text follows as a message
+                output[call_index] = {**output[call_index], "arguments": args, "status": "incomplete"}
+                yield event("response.output_item.done", output_index=call_index, item=output[call_index])
     for b in close_text():
         yield b
     try:
         res = live.result()
-    except ProxyError as exc:
-        err = exc.detail_body()["error"]
-        yield event("error", code=err["code"], message=err["message"], param=err["param"])
+    except ProxyError as exc:  # OpenAI's in-band error, then the response's own end
+        err = exc.detail_body()["error"]  # message, type, param, code and the staleness fields
+        yield event("error", **{k: v for k, v in err.items() if k != "type"})
+        yield event("response.failed", response={**env, "status": "failed", "output": output, "error": err})
         return
     yield event("response.completed", response=_finished(env, res, output))

@@ -187,18 +187,22 @@ class ProxyRuntime:
 
     async def turn(self, session_id: str, partial: bool, input_ids: list[int], max_new_tokens: int,
                    sampling: dict[str, Any], sink: TokenSink | None = None,
-                   request_fields: dict[str, Any] | None = None) -> tuple[Generation, int]:
+                   request_fields: dict[str, Any] | None = None,
+                   admitted: Callable[[], None] | None = None) -> tuple[Generation, int]:
         """Generate one response for ``session_id`` and record it; returns it and its segment index.
 
         ``sink`` receives the tokens as they are produced (streaming, stop strings); what is
-        recorded is exactly what the response keeps (a stop string's cut included)."""
+        recorded is exactly what the response keeps (a stop string's cut included). ``admitted``
+        is called once the turn holds its slot and session and is dispatched or waits for a resume
+        (``GenerationController.generate``): a stream opens then."""
         with self.limit:
             session = self.sessions.open(session_id, partial, principal=PRINCIPAL.get())  # bound to its creator
             async with session.lock:
                 if session.finalized:  # finalized while this turn waited for the lock
                     raise SessionConflict(f"session {session_id!r} is finalized", session_id=session_id)
                 gen = await self.controller.generate(session_id, list(session.versions), input_ids,
-                                                     max_new_tokens, sampling, partial, sink, request_fields)
+                                                     max_new_tokens, sampling, partial, sink, request_fields,
+                                                     admitted)
                 seg = session.record(input_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason,
                                      gen.preempts)
                 session.touched = time.monotonic()

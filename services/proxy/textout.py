@@ -11,8 +11,10 @@ abort the engine request. Invariants:
   ``kept_stops`` entry -- the end of a tool call when only one call is allowed), and the
   returned text is exactly those tokens' text -- the recorded tokens end where the returned
   text ends, even when a stop string starts inside a token;
-* events (content pieces and tool calls, ``toolcalls``) are emitted only for text that can no
-  longer be cut: a tail that could still be the start of a stop string is held back;
+* events (content pieces and tool calls as they are written, ``toolcalls``) are emitted only for
+  text that can no longer be cut: a tail that could still be the start of a stop string is held back;
+* text written for the model before it starts (``prefill``: a forced call's start) is read by the
+  splitter as the output's beginning but is no output token; its events come first;
 * with no stop strings and no listener (a whole response), nothing needs the text before the
   end: the tokens are decoded once in ``finish`` (the proxy's hot path stays one decode).
 """
@@ -73,6 +75,10 @@ class TurnOutput:
                 break
         self._emit(final=False)
         return self.stopped
+
+    def prefill(self, text: str) -> None:
+        """Text the proxy wrote for the model after the prompt (a forced call's start)."""
+        self._publish(self.splitter.feed(text))
 
     def finish(self) -> list[Event]:
         """End of generation: flush held-back text and open tool-call blocks; returns every event."""

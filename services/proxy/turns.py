@@ -7,8 +7,10 @@ template and builds the ``TurnOutput`` that turns tokens into content and tool c
 recording). ``LiveTurn`` runs the same turn in a task and hands its events over as they are
 produced, for streamed responses. Invariants:
 * every surface records exactly what it returns (``TurnOutput.kept`` tokens);
-* a streamed turn that fails before its first event is an HTTP error like a non-streamed one
-  (``LiveTurn.started``); after that the stream reports it in-band and ends;
+* a streamed turn that fails before it is admitted (its concurrency slot and session held, the
+  version check before its first dispatch passed, or waiting for a resume) is an HTTP error like a
+  non-streamed one (``LiveTurn.started``); from then on the stream is open (headers and the first
+  event go out at once) and a failure is reported in-band at its end;
 * a client that goes away cancels the turn (its engine request is aborted, nothing recorded);
 * ``LiveTurn.settled`` after a batch of events counts the output tokens whose text those events
   (and the ones before) cover, so a stream can send each token's logprob once, with its text.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +114,7 @@ def prepare(rt: ProxyRuntime, plan: TurnPlan, prompt_ids: list[int] | None = Non
             raise UnsupportedParameter("tool_choice", "forcing a tool call needs proxy.tool_call_parser")
         prefix = forced_prefix(parser, plan.force_tool or None)
         ids = [*ids, *(int(i) for i in rt.tokenizer.encode(prefix, add_special_tokens=False))]
-        output.splitter.feed(prefix)  # an open call block: no event until the model closes it
+        output.prefill(prefix)  # an open call block (a named function's call starts here)
     # SGLang's rule: stop_token_ids add to the end-of-turn ids, which only ignore_eos drops.
     extra = list(plan.stop_token_ids or ())
     stop_ids = extra if plan.engine_params.get("ignore_eos") else ([*rt.stop_ids, *extra] if extra else None)
@@ -123,9 +125,10 @@ def prepare(rt: ProxyRuntime, plan: TurnPlan, prompt_ids: list[int] | None = Non
 
 
 async def _execute(rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
-                   prepared: tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]]) -> TurnResult:
+                   prepared: tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]],
+                   admitted: Callable[[], None] | None = None) -> TurnResult:
     ids, out, sampling, fields = prepared
-    gen, seg = await rt.turn(session_id, partial, ids, plan.max_new_tokens, sampling, out, fields)
+    gen, seg = await rt.turn(session_id, partial, ids, plan.max_new_tokens, sampling, out, fields, admitted)
     out.finish()  # flush held-back text and any open tool-call block
     if out.splitter.well_formed or out.splitter.malformed:  # the tool agent's training metric
         segment = rt.sessions.get(session_id).segments[seg]  # no await since the turn was recorded
@@ -147,11 +150,13 @@ class LiveTurn:
     def __init__(self, rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnPlan,
                  prepared: tuple[list[int], TurnOutput, dict[str, Any], dict[str, Any]]) -> None:
         self._queue: asyncio.Queue[tuple[list[Event], int] | None] = asyncio.Queue()
+        self._admitted = asyncio.Event()
         self.prompt_ids, self.output = prepared[0], prepared[1]
+        if self.output.events:  # a forced call's start, written before the model runs
+            self._queue.put_nowait((list(self.output.events), 0))
         self.output.listener = lambda events: self._queue.put_nowait((events, self.output.settled()))
-        self.task = asyncio.create_task(_execute(rt, session_id, partial, plan, prepared))
+        self.task = asyncio.create_task(_execute(rt, session_id, partial, plan, prepared, self._admitted.set))
         self.task.add_done_callback(lambda _: self._queue.put_nowait(None))
-        self._peeked: tuple[list[Event], int] | None = None
         self.settled = 0  # tokens behind the events yielded so far (``TurnOutput.settled`` at their publication)
 
     @classmethod
@@ -163,24 +168,32 @@ class LiveTurn:
         return cls(rt, session_id, partial, plan, prepared)
 
     async def started(self) -> None:
-        """Wait for the first event (or the end); a turn that failed before any raises here."""
-        self._peeked = await self._queue.get()
-        if self._peeked is None and (exc := self.task.exception()) is not None:
+        """Wait until the turn is admitted (or has ended); a turn refused before that raises here."""
+        admitted = asyncio.ensure_future(self._admitted.wait())
+        try:
+            await asyncio.wait({admitted, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client went away before the stream opened
+            await self._cancel()
+            raise
+        finally:
+            admitted.cancel()
+        if not self._admitted.is_set() and (exc := self.task.exception()) is not None:
             raise exc
 
     async def events(self) -> AsyncIterator[list[Event]]:
         """Batches of events until the turn ends; then ``result()`` (which may raise)."""
         try:
-            item = self._peeked
-            while item is not None:
+            while (item := await self._queue.get()) is not None:
                 batch, self.settled = item
                 yield batch
-                item = await self._queue.get()
         finally:
-            if not self.task.done():  # the client went away: stop generating
-                self.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self.task
+            await self._cancel()  # the client went away: stop generating
+
+    async def _cancel(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
 
     def result(self) -> TurnResult:
         return self.task.result()

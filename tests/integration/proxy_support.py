@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import redis
@@ -98,31 +98,38 @@ def start_engine(root: Path, max_batch_size: int = 16, second_checkpoint: bool =
     return EngineProc(url, model_dir, second, proc, log_path)
 
 
-class ProxyThread:
-    """The proxy app under uvicorn in a daemon thread; ``url`` once started."""
+class AppThread:
+    """An ASGI app under uvicorn in a daemon thread (its own event loop); ``url`` once started."""
 
-    def __init__(self, cfg: ProxyConfig, tokenizer_dir: Path, redis_port: int | None = None,
-                 keys: Keys | None = None) -> None:
-        factory = (lambda: redis.Redis(host="127.0.0.1", port=redis_port)) if redis_port else None
-        self.runtime = ProxyRuntime(cfg, load_tokenizer(tokenizer_dir), redis_factory=factory, keys=keys,
-                                    heartbeat_ttl_s=5.0)
+    def __init__(self, app: Any) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.runtime), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> ProxyThread:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "proxy did not start"
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
             time.sleep(0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(20)
+
+
+class ProxyThread(AppThread):
+    """The proxy app (over its own runtime) under uvicorn in a daemon thread."""
+
+    def __init__(self, cfg: ProxyConfig, tokenizer_dir: Path, redis_port: int | None = None,
+                 keys: Keys | None = None) -> None:
+        factory = (lambda: redis.Redis(host="127.0.0.1", port=redis_port)) if redis_port else None
+        self.runtime = ProxyRuntime(cfg, load_tokenizer(tokenizer_dir), redis_factory=factory, keys=keys,
+                                    heartbeat_ttl_s=5.0)
+        super().__init__(build_app(self.runtime))
 
     def state(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/v1/rollout/state", timeout=10).json()

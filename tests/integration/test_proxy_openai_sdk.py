@@ -1,11 +1,14 @@
 """The official ``openai`` and ``anthropic`` SDKs drive a real proxy in front of a real CPU engine:
 chat, tools, real streaming, logprobs, stop strings, errors, the Responses and Messages surfaces,
-streams that survive continuous weight updates, and the recorded SDK request bodies replayed."""
+streams that survive continuous weight updates, and the recorded SDK request bodies replayed.
+Tool calls streamed as they are written are checked against the scripted fake engine over HTTP
+(a random tiny model does not write well-formed calls), through each SDK's own accumulator."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,18 +20,26 @@ import httpx
 import openai
 import pytest
 import redis
-from proxy_support import EngineProc, ProxyThread, start_engine
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
+from proxy_support import AppThread, EngineProc, ProxyThread, start_engine
 
 from shared.config import ProxyConfig
 from shared.keys import Keys
 from shared.modeling import load_tokenizer
+from shared.modeling.tokenizer import build_tokenizer, save_tokenizer
 from shared.redisproc import RedisProcess
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "proxy"
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+from proxy_fake_engine import FakeEngine  # noqa: E402
+
+FIXTURES = REPO / "tests" / "fixtures" / "proxy"
 MSG: list[Any] = [{"role": "user", "content": "reverse 123"}]
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+FORCE: Any = {"type": "function", "function": {"name": "lookup"}}
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "qzt", "n": [1, 2]}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +55,17 @@ def proxy(engine: EngineProc, redis_server: RedisProcess, keys: Keys) -> Iterato
     cfg = ProxyConfig(engines=[engine.url], pause_timeout_s=10, max_partial_rollout_preempts=50)
     with ProxyThread(cfg, engine.model_dir, redis_server.port, keys) as p:
         yield p
+
+
+@pytest.fixture
+def scripted(tmp_path: Path) -> Iterator[tuple[FakeEngine, ProxyThread]]:
+    """A proxy over the scripted fake engine (served over HTTP) that writes ``CALL``, a token a step."""
+    tok = build_tokenizer()
+    save_tokenizer(tok, tmp_path)
+    eng = FakeEngine(script=[*tok.encode(CALL, add_special_tokens=False), tok.eos_token_id], step_s=0.01)
+    with AppThread(eng.app) as served, ProxyThread(ProxyConfig(engines=[served.url], follow_versions=False),
+                                                   tmp_path) as p:
+        yield eng, p
 
 
 def client(p: ProxyThread, session: str) -> openai.OpenAI:
@@ -199,3 +221,78 @@ def test_recorded_sdk_request_bodies_replay_against_the_proxy(proxy: ProxyThread
         assert r.headers["content-type"].startswith("text/event-stream") and "data: " in r.text
     else:
         assert r.json()["dressage"]["session_id"] == f"fx-{name.replace('_', '-')}"
+
+
+def test_sdk_streams_accumulate_a_tool_call_written_piece_by_piece_to_the_whole_answers_call(
+        scripted: tuple[FakeEngine, ProxyThread]) -> None:
+    _, p = scripted
+    c = client(p, "sdk-tools")
+    whole = c.chat.completions.create(model="m", messages=MSG, tools=TOOLS, max_tokens=200).choices[0].message
+    assert whole.tool_calls and isinstance(call := whole.tool_calls[0], ChatCompletionMessageFunctionToolCall)
+    with c.chat.completions.stream(model="m", messages=MSG, tools=TOOLS, max_tokens=200) as s:
+        pieces = [e.arguments_delta for e in s if e.type == "tool_calls.function.arguments.delta"]
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls
+    streamed = final.message.tool_calls[0]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert len([x for x in pieces if x]) > 1 and "".join(pieces) == call.function.arguments == '{"key": "qzt", "n": [1, 2]}'
+    tools_r: Any = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}, "strict": False}]
+    whole_r = c.responses.create(model="m", input="reverse 123", tools=tools_r, max_output_tokens=200)
+    with c.responses.stream(model="m", input="reverse 123", tools=tools_r, max_output_tokens=200) as rs:
+        deltas = [e.delta for e in rs if e.type == "response.function_call_arguments.delta"]
+        final_r = rs.get_final_response()
+    calls = [o for o in final_r.output if o.type == "function_call"]
+    assert [(o.name, o.arguments) for o in calls] == [(o.name, o.arguments) for o in whole_r.output
+                                                      if o.type == "function_call"]
+    assert len(deltas) > 1 and "".join(deltas) == calls[0].arguments == call.function.arguments
+    a = anthropic.Anthropic(base_url=f"{p.url}/s/sdk-tools-msg", api_key="none", max_retries=0)
+    tools_a: Any = [{"name": "lookup", "input_schema": {"type": "object"}}]
+    whole_m = a.messages.create(model="m", max_tokens=200, messages=MSG, tools=tools_a)
+    with a.messages.stream(model="m", max_tokens=200, messages=MSG, tools=tools_a) as ms:
+        partial = [e.partial_json for e in ms if e.type == "input_json"]
+        final_m = ms.get_final_message()
+    assert final_m.stop_reason == whole_m.stop_reason == "tool_use"
+    uses = [(b.name, b.input) for b in final_m.content if b.type == "tool_use"]
+    assert uses == [(b.name, b.input) for b in whole_m.content if b.type == "tool_use"]
+    assert len(partial) > 1 and json.loads("".join(partial)) == {"key": "qzt", "n": [1, 2]}
+
+
+def test_sdk_stream_opens_on_admission_and_names_a_forced_call_before_the_model_writes(
+        scripted: tuple[FakeEngine, ProxyThread]) -> None:
+    eng, p = scripted
+    assert httpx.post(f"{p.url}/v1/rollout/pause", json={"reason": "test"}).status_code == 200
+    try:  # paused: the turn is admitted and waits for the resume; the SDK has its stream already
+        stream = client(p, "sdk-early").chat.completions.create(model="m", messages=MSG, tools=TOOLS, tool_choice=FORCE,
+                                                                max_tokens=200, stream=True)
+        chunks = iter(stream)
+        role, named = next(chunks), next(chunks)
+        assert role.choices[0].delta.role == "assistant"
+        assert named.choices[0].delta.tool_calls and named.choices[0].delta.tool_calls[0].function is not None
+        assert named.choices[0].delta.tool_calls[0].function.name == "lookup" and eng.generate_bodies == []
+    finally:
+        assert httpx.post(f"{p.url}/v1/rollout/resume", json={}).status_code == 200
+    rest = list(chunks)
+    args = "".join(tc.function.arguments or "" for ch in rest if ch.choices for tc in ch.choices[0].delta.tool_calls or []
+                   if tc.function is not None)
+    assert args == '{"key": "qzt", "n": [1, 2]}' and rest[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_seeded_forced_call_streams_to_what_the_whole_answer_returns(proxy: ProxyThread) -> None:
+    """The real (random) model after a forced call's start: streamed and whole answers of one seed agree,
+    malformed call (content, finish) or well-formed (arguments) alike."""
+    kw: Any = {"model": "m", "messages": MSG, "tools": TOOLS, "tool_choice": FORCE, "max_tokens": 24, "seed": 11,
+               "temperature": 1.0}
+    whole = client(proxy, "sdk-seed-whole").chat.completions.create(**kw).choices[0]
+    content, args, names, finish = "", "", [], None
+    for ch in client(proxy, "sdk-seed-stream").chat.completions.create(**kw, stream=True):
+        if ch.choices:
+            content += ch.choices[0].delta.content or ""
+            fns = [tc.function for tc in ch.choices[0].delta.tool_calls or [] if tc.function]
+            args += "".join(f.arguments or "" for f in fns)
+            names += [f.name for f in fns if f.name]
+            finish = ch.choices[0].finish_reason or finish
+    assert names == ["lookup"]  # the forced call is named once, when the stream opens
+    assert (content, finish) == (whole.message.content or "", whole.finish_reason)
+    calls = [c for c in whole.message.tool_calls or [] if isinstance(c, ChatCompletionMessageFunctionToolCall)]
+    if calls:
+        assert args == calls[0].function.arguments

@@ -102,19 +102,24 @@ def test_tool_choice_none_leaves_the_text_as_content_and_malformed_calls_stay_vi
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
 
 
-def test_stream_sends_chunks_as_tokens_are_produced_and_tool_call_deltas() -> None:
+def test_stream_sends_chunks_as_tokens_are_produced_and_tool_calls_as_they_are_written() -> None:
     async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
-        r = await c.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "stream": True,
-                                                       "stream_options": {"include_usage": True}})
+        body = {"messages": MSG, "tools": TOOLS, "seed": 3}
+        r = await c.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
         assert r.headers["content-type"].startswith("text/event-stream")
         total = sse_data(r.text)
         assert eng.generate_bodies[0]["stream"] is True
         deltas = [ch["choices"][0]["delta"] for ch in total if ch["choices"]]
         assert [d["content"] for d in deltas if d.get("content")] == ["h", "i", " "]  # one chunk per token
-        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-        assert [(tc["index"], tc["function"]["name"]) for tc in calls] == [(0, "lookup")]
+        first, *rest = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        # OpenAI's shape: the first delta names the call, the next ones carry argument pieces only.
+        assert (first["index"], first["type"], first["function"]) == (0, "function", {"name": "lookup", "arguments": ""})
+        assert first["id"].startswith("call_") and len(rest) > 1
+        assert all(tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}} for tc in rest)
         assert [ch["choices"][0]["finish_reason"] for ch in total if ch["choices"]][-1] == "tool_calls"
         assert total[-1]["usage"]["completion_tokens"] == len(ids("hi " + CALL))
+        whole = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]["tool_calls"][0]
+        assert "".join(tc["function"]["arguments"] for tc in rest) == whole["function"]["arguments"] == '{"key": "qzt"}'
     run_proxy(t, engine=FakeEngine(script=ids("hi " + CALL), step_s=0.01))
 
 
@@ -303,23 +308,29 @@ def test_unknown_fields_are_refused_and_fields_without_effect_accepted_on_every_
     run_proxy(t)
 
 
-def test_streamed_tool_calls_on_responses_and_messages_carry_the_whole_call() -> None:
+def test_streamed_tool_calls_on_responses_and_messages_arrive_as_they_are_written() -> None:
     async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
         tools = [{"type": "function", "name": "lookup", "parameters": TOOLS[0]["function"]["parameters"]}]
-        r = await c.post("/v1/responses", json={"input": "code of qzt?", "tools": tools, "stream": True,
-                                                "max_output_tokens": 200})
-        events = sse_events(r.text)
-        args = "".join(d["delta"] for k, d in events if k == "response.function_call_arguments.delta")
+        body = {"input": "code of qzt?", "tools": tools, "max_output_tokens": 200}
+        events = sse_events((await c.post("/v1/responses", json={**body, "stream": True})).text)
+        added = next(d for k, d in events if k == "response.output_item.added" and d["item"]["type"] == "function_call")
+        assert added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
+        pieces = [d["delta"] for k, d in events if k == "response.function_call_arguments.delta"]
         done = next(d for k, d in events if k == "response.output_item.done" and d["item"]["type"] == "function_call")
-        assert json.loads(args) == {"key": "qzt"} and done["item"]["name"] == "lookup"
-        assert events[-1][1]["response"]["output"][-1]["arguments"] == args
+        whole = (await c.post("/v1/responses", json=body)).json()["output"][0]["arguments"]
+        assert len(pieces) > 1 and "".join(pieces) == done["item"]["arguments"] == whole
+        assert [k for k, _ in events].index("response.function_call_arguments.done") > [k for k, _ in events].index(
+            "response.function_call_arguments.delta") and done["item"]["name"] == "lookup"
+        assert events[-1][1]["response"]["output"][-1]["arguments"] == whole
         tools_a = [{"name": "lookup", "input_schema": TOOLS[0]["function"]["parameters"]}]
-        r = await c.post("/v1/messages", json={"max_tokens": 200, "messages": MSG, "tools": tools_a, "stream": True})
-        events = sse_events(r.text)
+        body_a = {"max_tokens": 200, "messages": MSG, "tools": tools_a}
+        events = sse_events((await c.post("/v1/messages", json={**body_a, "stream": True})).text)
         start = next(d for k, d in events if k == "content_block_start" and d["content_block"]["type"] == "tool_use")
-        partial = "".join(d["delta"]["partial_json"] for k, d in events
-                          if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
-        assert start["content_block"]["name"] == "lookup" and json.loads(partial) == {"key": "qzt"}
+        partial = [d["delta"]["partial_json"] for k, d in events
+                   if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+        whole_input = (await c.post("/v1/messages", json=body_a)).json()["content"][0]["input"]
+        assert start["content_block"]["name"] == "lookup" and start["content_block"]["input"] == {}
+        assert len(partial) > 1 and json.loads("".join(partial)) == whole_input == {"key": "qzt"}
         assert next(d for k, d in events if k == "message_delta")["delta"]["stop_reason"] == "tool_use"
     run_proxy(t, engine=FakeEngine(script=ids(CALL)))
 
