@@ -37,6 +37,7 @@ from services.ops.metricslog import load_rows
 from services.ops.series import EVAL_ACC, STEP, number, pick
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
+from shared.redisproc import free_port
 
 log = logging.getLogger(__name__)
 RESULT, CHILD = "result.json", "child.json"
@@ -117,6 +118,20 @@ def reset_partial(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def with_own_ports(config: dict[str, Any], taken: set[int]) -> dict[str, Any]:
+    """``config`` with an engine and a proxy port of its own (free now, and none in ``taken``, the ports
+    of the runs still going). With ``--jobs`` > 1 two runs starting together would both find the
+    configured port free and race for it (``dressage up`` points the proxy and workers at them)."""
+    ports: list[int] = []
+    while len(ports) < 2:
+        port = free_port()
+        if port not in taken and port not in ports:
+            ports.append(port)
+    engine_port, proxy_port = ports
+    return {**config, "engine": {**config.get("engine", {}), "port": engine_port},
+            "proxy": {**config.get("proxy", {}), "port": proxy_port}}
+
+
 @dataclass
 class Active:
     run: Run
@@ -127,6 +142,7 @@ class Active:
     stopped_by_rule: str | None = None
     step: int | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
+    ports: set[int] = field(default_factory=set)  # engine and proxy ports it was given (--jobs > 1)
 
 
 class Experiment:
@@ -160,7 +176,7 @@ class Experiment:
         active: list[Active] = []
         while (pending or active) and not self.stop.is_set:
             while pending and len(active) < self.jobs and not self.stop.is_set:
-                active.append(self._launch(pending.pop(0)))
+                active.append(self._launch(pending.pop(0), taken={p for a in active for p in a.ports}))
             self.stop.wait(POLL_S)
             for a in list(active):
                 self._watch(a)
@@ -180,12 +196,13 @@ class Experiment:
             return 130
         return 1 if self.failed else 0
 
-    def _launch(self, run: Run) -> Active:
+    def _launch(self, run: Run, taken: set[int]) -> Active:
         folder = self.folder(run)
         if folder.exists():
             reset_partial(folder)
         folder.mkdir(parents=True)
-        (folder / "config.yaml").write_text(yaml.safe_dump(run.config, sort_keys=False))
+        config = with_own_ports(run.config, taken) if self.jobs > 1 else run.config
+        (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         argv = [sys.executable, "-m", "services", "up", "--config", str(folder / "config.yaml"),
                 "--run-dir", str(folder), "--prefix", prefix_for(self.spec, run), "--quiet", "--no-report"]
         if run.max_steps is not None:
@@ -194,7 +211,8 @@ class Experiment:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         write_json(folder / CHILD, {"pid": proc.pid, "argv": argv, "started_at": time.time()})
         log.info("started run=%s pid=%d folder=%s", run.key, proc.pid, folder)
-        return Active(run, folder, proc, time.monotonic(), fh)
+        ports = {config["engine"]["port"], config["proxy"]["port"]} if self.jobs > 1 else set()
+        return Active(run, folder, proc, time.monotonic(), fh, ports=ports)
 
     def _watch(self, a: Active) -> None:
         """Follow the run's metrics; apply the wall-clock and accuracy stop rules."""

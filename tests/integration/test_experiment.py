@@ -1,8 +1,9 @@
 """``dressage experiment`` end to end on a tiny spec (2 variants × 2 seeds × 2 trainer steps, real services).
 
 The runner is SIGKILLed while its second run is going (its ``dressage up`` keeps running, orphaned),
-then started again: the finished run is skipped, the interrupted one is stopped and run again from
-scratch, and summary.csv ends with exactly one row per run. On the recorded runs the trainer's four
+then started again with ``--jobs 2``: the finished run is skipped, the interrupted one is stopped and
+run again from scratch, two runs go at once (own prefixes, Redis servers and ports), and summary.csv
+ends with exactly one row per run. On the recorded runs the trainer's four
 phases (waiting for a batch, training, checkpointing, publishing) account for its wall-clock
 within 5 %.
 """
@@ -38,11 +39,12 @@ def tiny_spec(tmp_path: Path, model: Path) -> Path:
     return path
 
 
-def start(spec: Path, out: Path, log: Path) -> subprocess.Popen[bytes]:
+def start(spec: Path, out: Path, log: Path, jobs: int = 1) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     with log.open("ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "services", "experiment", str(spec), "--out", str(out),
-                                 "--quiet"], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+                                 "--quiet", "--jobs", str(jobs)], cwd=REPO, env=env, stdout=fh,
+                                stderr=subprocess.STDOUT)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, proc: subprocess.Popen[bytes],
@@ -69,12 +71,18 @@ def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path:
         proc.wait(10)
         finished_once = (first / "result.json").read_text()
         assert not (second / "result.json").exists()
-        proc = start(spec, out, log)
+        proc = start(spec, out, log, jobs=2)  # the three runs left, two at a time
         assert proc.wait(900) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert (first / "result.json").read_text() == finished_once  # skipped, not run again
+    spans = []  # (start, end) of each run the resumed runner made
+    for run in (second, root / "async" / "seed0", root / "async" / "seed1"):
+        res = json.loads((run / "result.json").read_text())
+        spans.append((res["finished_at"] - res["duration_s"], res["finished_at"]))
+    spans.sort()
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)), spans  # two at a time
     assert not (second / "child.json").exists()  # settled: the re-run finished
     with pytest.raises(ProcessLookupError):
         os.kill(orphan, 0)  # the orphaned run was stopped before its folder was reused
