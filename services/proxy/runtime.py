@@ -28,6 +28,7 @@ from services.proxy.engine_client import EngineClient
 from services.proxy.errors import InvalidRequest, SessionConflict
 from services.proxy.guards import ConcurrencyLimit
 from services.proxy.metrics import ProxyMetrics
+from services.proxy.promptcache import PromptCache
 from services.proxy.schemas import Limits
 from services.proxy.sessions import SessionStore
 from services.proxy.updater import WeightUpdater
@@ -64,6 +65,7 @@ class ProxyRuntime:
         self._watcher: VersionWatcher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-tokenize")
+        self.prompt_cache = PromptCache()  # rendered prompt ids by exact (messages, tools)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -159,7 +161,12 @@ class ProxyRuntime:
         if size > self.cfg.max_prompt_bytes:
             raise InvalidRequest("messages", f"message text is {size} bytes; proxy.max_prompt_bytes="
                                              f"{self.cfg.max_prompt_bytes}")
-        return chat_input_ids(self.tokenizer, messages, True, tools)
+        key = self.prompt_cache.key(messages, tools)
+        ids = self.prompt_cache.get(key)
+        if ids is None:
+            ids = chat_input_ids(self.tokenizer, messages, True, tools)
+            self.prompt_cache.put(key, ids)
+        return ids
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the runtime's one tokenizer thread, so tokenizing a large prompt never
