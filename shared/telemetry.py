@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 # Prometheus: ``ops.metrics_port_base`` + the service's offset (docs/operations.md); the engine and
 # the proxy serve ``/metrics`` on their own HTTP port instead. The one table of these offsets.
-PROMETHEUS_OFFSETS = {"prompt-buffer": 1, "rollout-worker": 2, "group-collector": 3, "trainer": 4, "eval-worker": 5}
+PROMETHEUS_OFFSETS = {"prompt-buffer": 1, "rollout-worker": 2, "group-collector": 3, "trainer": 4, "eval-worker": 5,
+                      "window-controller": 6}
 
 
 # On one host (``dressage up``) rollout workers start at this offset, past every offset above, so that

@@ -25,7 +25,7 @@ from shared.config import WindowControllerConfig
 from shared.consumer import ConsumerLoop
 from shared.keys import Keys
 from shared.lifecycle import StopFlag
-from shared.telemetry import Heartbeat, report_metrics
+from shared.telemetry import Heartbeat, MetricGauges, report_metrics
 
 log = logging.getLogger(__name__)
 SERVICE = "window-controller"
@@ -44,8 +44,10 @@ def _opt(x: float | None) -> str:
 class WindowController:
     def __init__(self, r: redis.Redis, keys: Keys, cfg: WindowControllerConfig, default_keep: int, *,
                  consumer: str = "window-controller", burst: bool = False, heartbeat_ttl_s: float = 15.0,
-                 stop: StopFlag | None = None, reader: SignalReader | None = None, backoff_max_s: float = 5.0) -> None:
+                 stop: StopFlag | None = None, reader: SignalReader | None = None, backoff_max_s: float = 5.0,
+                 gauges: MetricGauges | None = None) -> None:
         self.r, self.keys, self.cfg, self.burst = r, keys, cfg, burst
+        self.gauges = gauges  # Prometheus mirror of the window_controller/* metrics (None: no endpoint)
         self.stop = stop or StopFlag()
         self.loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=backoff_max_s)
         self.reader = reader or SignalReader(r, keys)
@@ -107,9 +109,11 @@ class WindowController:
                   "drop_rate": _opt(s.drop_rate), "trainer_steps": str(s.steps), "floor": str(d.state.floor),
                   "target_logprob_diff": f"{self.cfg.target_logprob_diff:.6g}", "at": f"{time.time():.3f}"}
         self.r.xadd(decisions_key(self.keys), fields, maxlen=DECISIONS_MAXLEN, approximate=True)
-        report_metrics(self.r, self.keys, SERVICE, {"window_controller/keep_versions": d.after,
-                                                    "window_controller/changed": int(d.changed),
-                                                    "window_controller/proposal": d.proposal})
+        metrics = {"window_controller/keep_versions": d.after, "window_controller/changed": int(d.changed),
+                   "window_controller/proposal": d.proposal}
+        report_metrics(self.r, self.keys, SERVICE, metrics)
+        if self.gauges is not None:
+            self.gauges.set(metrics)
 
     def run(self) -> int:
         started = False

@@ -65,7 +65,8 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
     base = free_base()
     run_dir = tmp_path / "run"
     env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model_dir), "PYTHONUNBUFFERED": "1",
-           "DRESSAGE_OPS_METRICS_PORT_BASE": str(base), "DRESSAGE_TRAIN_MAX_STEPS": "6"}
+           "DRESSAGE_OPS_METRICS_PORT_BASE": str(base), "DRESSAGE_TRAIN_MAX_STEPS": "6",
+           "DRESSAGE_WINDOW_CONTROLLER_ENABLED": "true", "DRESSAGE_WINDOW_CONTROLLER_INTERVAL_S": "1"}
     env.pop("REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--config", CONFIG, "--run-dir", str(run_dir),
                              "--quiet"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -81,6 +82,7 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
             "group-collector": f"http://127.0.0.1:{prometheus_port(base, 'group-collector')}/metrics",
             "trainer": f"http://127.0.0.1:{prometheus_port(base, 'trainer')}/metrics",
             "eval-worker": f"http://127.0.0.1:{prometheus_port(base, 'eval-worker')}/metrics",
+            "window-controller": f"http://127.0.0.1:{prometheus_port(base, 'window-controller')}/metrics",
             "rollout-worker-1": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', local_replica(1))}/metrics",
             "rollout-worker-2": f"http://127.0.0.1:{prometheus_port(base, 'rollout-worker', local_replica(2))}/metrics",
         }
@@ -104,6 +106,8 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
         assert "dressage_proxy_requests" in seen["proxy"]
         assert "dressage_train_rollout_logprob_abs_diff" in seen["trainer"], seen["trainer"]
         assert "dressage_eval_jobs_succeeded" in seen["eval-worker"]
+        wait_for(lambda: "dressage_window_controller_keep_versions" in check_scrape(
+            "window-controller", httpx.get(targets["window-controller"], timeout=5).text), 60, proc)
         assert any(n.startswith("dressage_rollout_") for n in seen["rollout-worker-1"])
     finally:
         proc.terminate()
