@@ -135,6 +135,27 @@ def variant_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]
     return out
 
 
+def staleness_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Did the controls act, and what did they cost: steps and time to each target (runs that reached
+    it), the shares dropped by the window / rejected by the span cap / dead-lettered, the logprob diff."""
+    head = ["variant"]
+    for x in spec.targets:
+        head += [f"steps to {x:g}", f"time to {x:g} (s)", "reached"]
+    head += ["window drops", "span rejections", "dead-lettered", "logprob diff"]
+    out = [head]
+    for v in spec.variants:
+        n = len([r for r in rows if r.get("variant") == v])
+        cells = [v + (" (baseline)" if v == spec.baseline else "")]
+        for x in spec.targets:
+            steps = summ.values(rows, v, summ.steps_column(x))
+            cells += [_iv(_mean(steps), 0), _iv(_mean(summ.values(rows, v, summ.target_column(x))), 0),
+                      f"{len(steps)}/{n}"]
+        cells += [_iv(_mean([100 * x for x in summ.values(rows, v, c)]), 1, " %") for c in summ.SHARES]
+        cells.append(_iv(_mean(summ.values(rows, v, "logprob_abs_diff_mean")), 4))
+        out.append(cells)
+    return out
+
+
 def learning_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     """First vs last fifth of the steps: reward, and the share of samples calling a tool (tool tasks)."""
     tools = any(summ.values(rows, v, "tool_calls_gain") for v in spec.variants)
@@ -247,6 +268,8 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
     tables = [("Per variant (mean [95 % interval] across seeds)", variant_table(spec, rows)),
               ("Learning: first against last fifth of the steps (mean [95 % interval] across seeds)",
                learning_table(spec, rows)),
+              ("Staleness controls: time to target, and what the controls dropped (mean [95 % interval]; "
+               "steps and time over the runs that reached the target)", staleness_table(spec, rows)),
               (f"Ratios against the baseline ({spec.baseline})", ratio_table(spec, rows)),
               ("Where the time goes (fractions of wall-clock, mean [95 % interval])", decomposition_table(spec, rows)),
               (f"CPU cores used per service while the trainer ran (mean; the machine has {os.cpu_count()})",

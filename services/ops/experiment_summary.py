@@ -10,6 +10,12 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
   accuracy is >= X was published (the eval itself runs later; the time the model existed is what
   counts). Version 0, the starting model, is left out: a target it already meets says nothing about
   training, and ``initial_eval_acc`` shows it;
+* ``steps_to_acc_<X>``: the trainer step at which that same version was published -- the sample
+  efficiency behind the wall-clock figure (a window that drops groups can take fewer steps and more
+  time);
+* ``window_drop_share`` / ``span_reject_share``: the share of the attempts the collector decided on
+  (trained + dropped stale + rejected by the span cap) that the window dropped / the span cap rejected,
+  and ``dead_letter_share`` the share of new groups given up: whether a staleness control acted;
 * ``reward_auc``: the area under the training-reward curve over trainer steps (unit width per step),
   so a run that learns sooner has a larger area at equal steps;
 * ``reward_first`` / ``reward_last``: the mean training reward over the first and the last fifth of
@@ -34,17 +40,24 @@ COUNTERS = {"groups_produced": "groups_produced", "groups_trained": "groups_trai
             "groups_span_rejected": "partial_rollout_rejected_groups"}  # the span cap acting
 
 
+SHARES = ("window_drop_share", "span_reject_share", "dead_letter_share")
+
+
 def target_column(x: float) -> str:
     return f"time_to_acc_{x:g}"
+
+
+def steps_column(x: float) -> str:
+    return f"steps_to_acc_{x:g}"
 
 
 def columns(targets: Sequence[float]) -> list[str]:
     """summary.csv's header, in order."""
     return (["variant", "seed", "steps", "wall_to_k_s", "wall_clock_s", "startup_s"]
-            + [target_column(x) for x in targets]
+            + [target_column(x) for x in targets] + [steps_column(x) for x in targets]
             + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
             + [f"{name}_{part}" for name in ("reward", "tool_calls") for part in ("first", "last", "gain")]
-            + list(COUNTERS) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
+            + list(COUNTERS) + list(SHARES) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
 
 
 def step_clock(rows: Sequence[Row]) -> dict[int, float]:
@@ -80,6 +93,30 @@ def time_to_accuracy(rows: Sequence[Row], target: float) -> float | None:
         if version >= 1 and acc >= target and version in published:
             return published[version]
     return None
+
+
+def steps_to_accuracy(rows: Sequence[Row], target: float) -> int | None:
+    """Trainer step at which the first trained version with eval accuracy >= target was published."""
+    steps: dict[int, int] = {}
+    for r in series.trainer_rows(rows):
+        v, s = number(r.get("train/published_version")), pick(r, series.STEP)
+        if v is not None and s is not None:
+            steps[int(v)] = int(s)
+    for version, acc in eval_curve(rows):
+        if version >= 1 and acc >= target and version in steps:
+            return steps[version]
+    return None
+
+
+def shares(counts: Mapping[str, Any]) -> dict[str, float | None]:
+    """The staleness controls' shares (module docstring) from the run's final counters."""
+    trained, dropped, rejected = (float(counts.get(k) or 0) for k in ("groups_trained", "groups_dropped",
+                                                                       "groups_span_rejected"))
+    decided, produced = trained + dropped + rejected, float(counts.get("groups_produced") or 0)
+    dead = float(counts.get("groups_dead_lettered") or 0)
+    return {"window_drop_share": dropped / decided if decided else None,
+            "span_reject_share": rejected / decided if decided else None,
+            "dead_letter_share": dead / produced if produced else None}
 
 
 def reward_curve(rows: Sequence[Row]) -> list[tuple[int, float]]:
@@ -120,6 +157,8 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
     }
     for x in targets:
         row[target_column(x)] = time_to_accuracy(rows, x)
+    for x in targets:
+        row[steps_column(x)] = steps_to_accuracy(rows, x)
     row.update({
         "initial_eval_acc": evals[0][1] if evals and evals[0][0] == 0 else None,
         "final_eval_acc": evals[-1][1] if evals else None,
@@ -132,6 +171,7 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
         row.update(zip((f"{name}_first", f"{name}_last", f"{name}_gain"), first_last(ys), strict=True))
     for col, counter in COUNTERS.items():
         row[col] = int(number(stats.get(f"stats/{counter}", 0)) or 0) if stats else None
+    row.update(shares(row))
     row.update(timing.columns(timing.decompose(rows, slots)))
     row["run_dir"] = run_dir
     return row
