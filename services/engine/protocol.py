@@ -55,7 +55,7 @@ class SamplingParams(Body):
     stop_regex: list[str] | str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)  # 0 = greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)  # -1 (or 0) = whole vocabulary
+    top_k: int = Field(default=-1, ge=-1)  # -1 = whole vocabulary; 0 is refused, as SGLang does
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -82,6 +82,13 @@ class SamplingParams(Body):
             keep_null = {"max_new_tokens"}
             return {k: v for k, v in data.items() if v is not None or k in keep_null}
         return data
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_is_off_or_positive(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disable), or at least 1")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
+from pydantic import ValidationError
 
+from services.engine.protocol import SamplingParams
 from services.engine.sampling import BatchSampler, SamplingSpec, seeded_uniform
 
 torch.set_num_threads(1)
@@ -77,3 +80,9 @@ def test_a_rows_draw_does_not_depend_on_truncating_neighbours() -> None:
         alone = plain.sample(x[:1], plain.uniforms([i], rng))[0]
         together = mixed.sample(x, mixed.uniforms([i, i], rng))[0]
         assert int(alone[0]) == int(together[0])
+
+
+def test_top_k_zero_is_refused_as_sglang_does_and_minus_one_is_off() -> None:
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=5).top_k == 5
+    with pytest.raises(ValidationError, match="top_k must be -1"):
+        SamplingParams(top_k=0)
