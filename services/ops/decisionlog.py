@@ -1,26 +1,34 @@
-"""Copy of a run's ``{p}:collector:decisions`` stream into ``<run>/decisions.jsonl``, incrementally.
+"""Copy of a run's decision streams into its folder, incrementally.
 
-One ``DecisionRecord`` per line (its JSON, plus ``id``: the stream entry id). ``pull`` reads only
-entries after the last id written, and a re-opened file continues after its last line, so an entry
-is never written twice and ``dressage up`` can call it every tick. The private Redis of a run is
-gone when the run ends; this file is what ``dressage replay RUN`` reads afterwards.
+``{p}:collector:decisions`` goes to ``<run>/decisions.jsonl``, one ``DecisionRecord`` per line (its
+JSON, plus ``id``: the stream entry id); the adaptive window's ``{p}:window_controller:decisions``
+(each tick's inputs, proposal, reason and window) to ``<run>/window_decisions.jsonl``, its fields as
+they are. ``pull`` reads only entries after the last id written, and a re-opened file continues
+after its last line, so an entry is never written twice and ``dressage up`` can call it every tick.
+The private Redis of a run is gone when the run ends; these files are what ``dressage replay RUN``
+and a reader of the controller's choices have afterwards.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from services.group_collector.decisions import decisions_key
+from services.window_controller.loop import decisions_key as controller_key
 from shared.errors import MalformedEntry
 from shared.keys import Keys
 from shared.window_decisions import DecisionRecord
 
 log = logging.getLogger(__name__)
 FILE = "decisions.jsonl"
+CONTROLLER_FILE = "window_decisions.jsonl"
+Reader = Callable[[redis.Redis, Keys, str], list[tuple[str, dict[str, Any]]]]
 
 
 def read_stream(r: redis.Redis, keys: Keys, after: str = "0-0",
@@ -36,6 +44,25 @@ def read_stream(r: redis.Redis, keys: Keys, after: str = "0-0",
                 out.append((cursor, DecisionRecord.from_fields(fields)))
             except MalformedEntry:
                 continue
+        if len(page) < count:
+            return out
+
+
+def collector_records(r: redis.Redis, keys: Keys, after: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(i, rec.model_dump()) for i, rec in read_stream(r, keys, after)]
+
+
+def controller_records(r: redis.Redis, keys: Keys, after: str, count: int = 2000) -> list[tuple[str, dict[str, Any]]]:
+    """The window controller's decision entries newer than ``after``, fields decoded, oldest first."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    cursor = after
+    while True:
+        page = r.xrange(controller_key(keys), min=f"({cursor}", max="+", count=count)
+        for raw_id, fields in page:
+            cursor = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            out.append((cursor, {(k.decode() if isinstance(k, bytes) else str(k)):
+                                 (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v))
+                                 for k, v in fields.items()}))
         if len(page) < count:
             return out
 
@@ -58,8 +85,8 @@ def load_records(path: Path) -> list[DecisionRecord]:
 class DecisionFile:
     """Appends a run's new decision records to ``<run>/decisions.jsonl``."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, read: Reader = collector_records) -> None:
+        self.path, self.read = path, read
         self.last_id = "0-0"
         if path.exists():
             for line in reversed(path.read_text(encoding="utf-8").splitlines()):
@@ -71,13 +98,13 @@ class DecisionFile:
 
     def pull(self, r: redis.Redis, keys: Keys) -> int:
         """Append the records newer than the last one written; returns how many."""
-        new = read_stream(r, keys, after=self.last_id)
+        new = self.read(r, keys, self.last_id)
         if not new:
             return 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as fh:
             for entry_id, rec in new:
-                fh.write(json.dumps({"id": entry_id, **rec.model_dump()}) + "\n")
+                fh.write(json.dumps({"id": entry_id, **rec}) + "\n")
         self.last_id = new[-1][0]
         return len(new)
 

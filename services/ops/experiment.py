@@ -224,7 +224,9 @@ class Experiment:
         rule = self.spec.stop
         if rule.wall_s is not None and time.monotonic() - a.started >= rule.wall_s:
             a.stopped_by_rule = f"wall-clock {rule.wall_s:g} s"
-        elif rule.accuracy is not None and any((pick(r, EVAL_ACC) or 0.0) >= rule.accuracy for r in a.rows):
+        elif rule.accuracy is not None and any((pick(r, EVAL_ACC) or 0.0) >= rule.accuracy
+                                               and (number(r.get("eval/version")) or 0) >= 1 for r in a.rows):
+            # a trained version (>= 1) must reach it, as for time_to_acc: the starting model says nothing
             a.stopped_by_rule = f"eval accuracy >= {rule.accuracy:g}"
         if a.stopped_by_rule:
             log.info("run=%s reached its stop rule (%s): stopping it", a.run.key, a.stopped_by_rule)

@@ -7,7 +7,9 @@
 * ``version_gap.png``: the trainer's exact version-gap histogram, pooled over seeds, as fractions;
 * ``version_span.png``: the same for the version span of trained trajectories (distinct versions
   over their tokens; what the partial-rollout span cap bounds);
-* ``time_split.png``: where the wall-clock went (trainer phases, engine busy) per variant.
+* ``time_split.png``: where the wall-clock went (trainer phases, engine busy) per variant;
+* ``keep_versions.png``: the batch window in force (the collector's ``staleness/keep_versions``) against
+  the trainer's wall-clock, drawn when some run's window moved (the adaptive window).
 """
 
 from __future__ import annotations
@@ -98,6 +100,22 @@ def _curves(spec: Spec, rows: Sequence[dict[str, Any]], metrics: Mapping[str, Se
         kinds.setdefault("reward_step", []).append([(float(s), y) for s, y in rewards])
         kinds.setdefault("reward_wall", []).append([(steps[s], y) for s, y in rewards if s in steps])
         kinds.setdefault("diff_step", []).append(list(zip(diffs.x, diffs.y, strict=True)))
+        kinds.setdefault("keep_wall", []).append(window_curve(m))
+    return out
+
+
+def window_curve(m: Sequence[Row]) -> Curve:
+    """(trainer wall-clock, keep_versions in force) from the collector's reports."""
+    trainer = series.trainer_rows(m)
+    first = trainer[0] if trainer else None
+    ts0, wall0 = (series.number(first.get("ts")), series.number(first.get("time/wall_s"))) if first else (None, None)
+    if ts0 is None or wall0 is None:
+        return []
+    out = []
+    for r in m:
+        k, ts = series.number(r.get("staleness/keep_versions")), series.number(r.get("ts"))
+        if r.get("service") == "group-collector" and k is not None and ts is not None and ts >= ts0 - wall0:
+            out.append((ts - (ts0 - wall0), k))
     return out
 
 
@@ -139,6 +157,16 @@ def plot_experiment(spec: Spec, rows: Sequence[dict[str, Any]], metrics: Mapping
     pngs.append(plot_histogram(spec, rows, metrics, out / "version_span.png", colors, series.SPAN,
                                "version span of trajectories (pooled over seeds)", "distinct versions"))
     pngs.append(plot_time_split(spec, rows, out))
+    windows = {v: kinds.get("keep_wall", []) for v, kinds in curves.items()}
+    if any(len({k for _, k in c}) > 1 for cs in windows.values() for c in cs):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for v, cs in windows.items():
+            _draw(ax, on_grid([c for c in cs if c]), v, colors.get(v, "gray"))
+        ax.set(title="batch window in force (mean, 95 % band)", xlabel="trainer wall-clock (s)",
+               ylabel="keep_versions (0 = off)")
+        if ax.lines:
+            ax.legend(fontsize=8)
+        pngs.append(_save(fig, out / "keep_versions.png"))
     return pngs
 
 

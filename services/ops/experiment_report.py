@@ -141,7 +141,7 @@ def staleness_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str
     head = ["variant"]
     for x in spec.targets:
         head += [f"steps to {x:g}", f"time to {x:g} (s)", "reached"]
-    head += ["window drops", "span rejections", "dead-lettered", "logprob diff"]
+    head += ["window drops", "span rejections", "re-enqueued", "dead-lettered", "logprob diff"]
     out = [head]
     for v in spec.variants:
         n = len([r for r in rows if r.get("variant") == v])

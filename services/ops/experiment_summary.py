@@ -13,9 +13,10 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
 * ``steps_to_acc_<X>``: the trainer step at which that same version was published -- the sample
   efficiency behind the wall-clock figure (a window that drops groups can take fewer steps and more
   time);
-* ``window_drop_share`` / ``span_reject_share``: the share of the attempts the collector decided on
-  (trained + dropped stale + rejected by the span cap) that the window dropped / the span cap rejected,
-  and ``dead_letter_share`` the share of new groups given up: whether a staleness control acted;
+* ``window_drop_share`` / ``span_reject_share`` / ``reenqueue_share``: the share of the attempts the
+  collector decided on (trained + dropped stale + rejected by the span cap) that the window dropped /
+  the span cap rejected / that were re-enqueued as a new attempt, and ``dead_letter_share`` the share
+  of new groups given up: whether a staleness control acted;
 * ``reward_auc``: the area under the training-reward curve over trainer steps (unit width per step),
   so a run that learns sooner has a larger area at equal steps;
 * ``reward_first`` / ``reward_last``: the mean training reward over the first and the last fifth of
@@ -40,7 +41,7 @@ COUNTERS = {"groups_produced": "groups_produced", "groups_trained": "groups_trai
             "groups_span_rejected": "partial_rollout_rejected_groups"}  # the span cap acting
 
 
-SHARES = ("window_drop_share", "span_reject_share", "dead_letter_share")
+SHARES = ("window_drop_share", "span_reject_share", "reenqueue_share", "dead_letter_share")
 
 
 def target_column(x: float) -> str:
@@ -113,9 +114,10 @@ def shares(counts: Mapping[str, Any]) -> dict[str, float | None]:
     trained, dropped, rejected = (float(counts.get(k) or 0) for k in ("groups_trained", "groups_dropped",
                                                                        "groups_span_rejected"))
     decided, produced = trained + dropped + rejected, float(counts.get("groups_produced") or 0)
-    dead = float(counts.get("groups_dead_lettered") or 0)
+    dead, again = float(counts.get("groups_dead_lettered") or 0), float(counts.get("groups_reenqueued") or 0)
     return {"window_drop_share": dropped / decided if decided else None,
             "span_reject_share": rejected / decided if decided else None,
+            "reenqueue_share": again / decided if decided else None,
             "dead_letter_share": dead / produced if produced else None}
 
 

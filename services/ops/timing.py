@@ -165,12 +165,15 @@ def summary_pairs(split: TimeSplit) -> list[tuple[str, str]]:
 
 
 def one_line(split: TimeSplit) -> str:
-    """For ``dressage status``: the trainer's split and the engine's busy fraction."""
+    """For ``dressage status``: the trainer's split, the engine's busy and idle fractions, the proxy's
+    pause and how long a rollout worker waits on the proxy for one group."""
     if not split.trainer and split.engine_busy is None:
         return "no timing data yet"
     parts = [f"trainer {p} {100 * split.trainer[p]:.0f}%" for p in TRAINER_PHASES if p in split.trainer]
-    if split.engine_busy is not None:
-        parts.append(f"engine busy {100 * split.engine_busy:.0f}% (last minute)")
+    if split.engine_busy is not None and split.engine_idle is not None:
+        parts.append(f"engine busy {100 * split.engine_busy:.0f}% idle {100 * split.engine_idle:.0f}% (last minute)")
     if split.proxy_pause is not None:
         parts.append(f"proxy paused {100 * split.proxy_pause:.1f}%")
+    if split.group_seconds_mean is not None:
+        parts.append(f"workers wait {split.group_seconds_mean:.2f}s per group on the proxy")
     return "  ".join(parts)

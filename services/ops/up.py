@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from services.ops.decisionlog import CONTROLLER_FILE, DecisionFile, controller_records
 from services.ops.decisionlog import FILE as DECISIONS_FILE
-from services.ops.decisionlog import DecisionFile
 from services.ops.metricslog import MetricsLog
 from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, public_url, run_prefix
 from services.ops.probes import ServiceProbe
@@ -195,16 +195,20 @@ def main(argv: list[str] | None = None) -> int:
 
         degraded_key = keys.custom("ops", "degraded")
 
-        decisions = DecisionFile(run_dir / DECISIONS_FILE)  # the collector's decisions, for `dressage replay`
+        logs_kept = [DecisionFile(run_dir / DECISIONS_FILE)]  # the collector's decisions, for `dressage replay`
+        if cfg.window_controller.enabled:  # and the adaptive window's, with their inputs
+            logs_kept.append(DecisionFile(run_dir / CONTROLLER_FILE, read=controller_records))
 
         def tick() -> None:
             progress.tick()
             report_degraded(r, degraded_key, sup.degraded)
-            decisions.sync(r, keys)
+            for kept in logs_kept:
+                kept.sync(r, keys)
 
         result = sup.run(lambda: stop.is_set, tick=tick, before_stop=finish_evaluation)
         progress.finish()
-        decisions.sync(r, keys)
+        for kept in logs_kept:
+            kept.sync(r, keys)
         sys.stdout.write(result.describe() + "\n")
         if not result.ok:
             sys.stderr.write(f"--- last lines of {result.name} ({run_dir / 'logs' / f'{result.name}.log'}):\n"

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.ops.decisionlog import load_records
 from services.ops.experiment import main as experiment_main
 from services.ops.experiment_spec import load_spec
+from services.ops.replay import main as replay_main
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = ["window", "span", "adaptive"]
@@ -76,3 +78,10 @@ def test_quick_preset_runs_end_to_end(name: str, guess_model: Path, tmp_path: Pa
     for variant in data["quick"]["variants"]:
         run = folder / variant / "seed0"
         assert (run / "decisions.jsonl").exists()  # every run keeps its collector decisions for replay
+        # The recorded decisions of a real run, replayed under the run's own windows, are reproduced
+        # exactly (exit 0; 1 would name the decisions that differ).
+        assert load_records(run / "decisions.jsonl"), variant
+        assert replay_main([str(run)]) == 0, variant
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        if (config.get("window_controller") or {}).get("enabled"):  # the adaptive window keeps its log too
+            assert (run / "window_decisions.jsonl").read_text().strip(), variant

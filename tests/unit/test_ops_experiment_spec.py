@@ -79,3 +79,50 @@ def test_override_spellings_are_equivalent() -> None:
     assert nest({"DRESSAGE_PROMPT_BUFFER_N_SAMPLES": 4}, "x") == {"prompt_buffer": {"n_samples": 4}}
     with pytest.raises(SpecError, match="lr"):
         nest({"lr": 0.1}, "x")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs/experiments").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_every_shipped_spec_and_its_quick_preset_validate(path: Path, quick: bool) -> None:
+    spec = load_spec(str(path), quick=quick)  # every run's config validated against the config models
+    assert spec.runs and spec.baseline in spec.variants
+
+
+def _watch_one(tmp_path: Path, stop: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
+    """Apply the runner's stop rules once to a live child (``sleep``) whose metrics are ``rows``."""
+    import json
+    import subprocess
+    import time
+
+    from services.ops.experiment import Active, Experiment
+    from shared.lifecycle import StopFlag
+
+    tmp_path.mkdir()
+    spec = load_spec(str(write_spec(tmp_path, stop=stop)))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        active = Active(spec.runs[0], folder, proc, time.monotonic() - 5.0, None)
+        Experiment(spec, tmp_path / "out", 1, StopFlag(), show=False)._watch(active)
+        if active.stopped_by_rule:
+            assert proc.wait(10) == -15  # SIGTERM to the run's process group
+        return active.stopped_by_rule
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_accuracy_rule_stops_a_run_once_a_trained_version_reaches_it(tmp_path: Path) -> None:
+    stop = {"accuracy": 0.5, "max_steps": 100}
+    start = [{"service": "eval-worker", "eval/version": 0, "eval/accuracy": 0.9}]  # the starting model
+    assert _watch_one(tmp_path / "a", stop, start) is None
+    trained = [*start, {"service": "eval-worker", "eval/version": 5, "eval/accuracy": 0.55}]
+    assert _watch_one(tmp_path / "b", stop, trained) == "eval accuracy >= 0.5"
+
+
+def test_the_seconds_rule_stops_a_run_after_its_wall_clock(tmp_path: Path) -> None:
+    assert _watch_one(tmp_path / "a", {"seconds": 60}, []) is None
+    assert _watch_one(tmp_path / "b", {"seconds": 1}, []) == "wall-clock 1 s"

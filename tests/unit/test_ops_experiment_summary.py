@@ -47,7 +47,7 @@ def test_run_row_from_metric_rows() -> None:
     assert row["groups_span_rejected"] == 3  # the span cap acting
     assert row["steps_to_acc_0.45"] == 4 and row["steps_to_acc_0.9"] is None  # the step that published v4
     assert row["window_drop_share"] == pytest.approx(1 / 20) and row["span_reject_share"] == pytest.approx(3 / 20)
-    assert row["dead_letter_share"] == 0.0
+    assert row["dead_letter_share"] == 0.0 and row["reenqueue_share"] == 0.0
     assert (row["reward_first"], row["reward_last"]) == (pytest.approx(0.1), pytest.approx(0.4))  # 4 steps: fifths of 1
     assert row["reward_gain"] == pytest.approx(0.3) and row["tool_calls_gain"] is None  # no tools in this run
     assert row["trainer_wait_frac"] == 0.5 and row["trainer_checkpoint_frac"] == 0.125

@@ -91,7 +91,9 @@ def test_summary_lines_show_percentages() -> None:
     pairs = dict(summary_pairs(decompose(rows(), slots=4)))
     assert pairs["trainer wait (waiting for a batch)"] == "20.0 %"
     assert pairs["engine busy / idle"] == "60.0 % / 40.0 %"
-    assert "trainer wait 20%" in one_line(decompose(rows()))
+    line = one_line(decompose(rows()))  # dressage status: no slots needed for any of it
+    assert "trainer wait 20%" in line and "engine busy 60% idle 40%" in line
+    assert "workers wait 16.00s per group on the proxy" in line
 
 
 def test_engine_fraction_covers_only_the_trainer_loop() -> None:
