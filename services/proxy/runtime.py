@@ -186,7 +186,7 @@ class ProxyRuntime:
                                   "stop_token_ids": self.stop_ids if stop_ids is None else stop_ids}
         if top_p is not None:
             params["top_p"] = top_p
-        if top_k is not None and top_k > 0:  # 0 (Messages' "off") is the engine's default, -1
+        if top_k is not None and top_k != 0:  # forwarded as sent (-1: off); Messages' 0 also means off
             params["top_k"] = top_k
         if seed is not None:
             params["sampling_seed"] = seed

@@ -118,8 +118,8 @@ def test_a_call_starts_once_its_name_is_written_and_its_arguments_stream_as_they
     sp = HermesSplitter()  # arguments as a JSON string: recognised when the block closes, one delta
     events = [*sp.feed('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}'), *sp.feed("</tool_call>")]
     assert [type(e) for e in events] == [CallStart, ArgsDelta, ToolCall]
-    assert split('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>', "hermes")[1][0].arguments == (
-        "".join(e.text for e in events if isinstance(e, ArgsDelta)) == '{"k": 1}')
+    whole = split('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>', "hermes")[1][0].arguments
+    assert whole == "".join(e.text for e in events if isinstance(e, ArgsDelta)) == '{"k": 1}'
 
 
 def test_a_started_call_that_turns_out_malformed_is_dropped_and_its_text_is_content_as_when_whole() -> None:
