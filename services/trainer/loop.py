@@ -298,7 +298,8 @@ class TrainerLoop:
         with self.clock.phase("train"):
             metrics: dict[str, Any] = self.learner.train_step([batch], max(self.version, 0))  # gap base
         fault_point("after_step")
-        gap = version_gap([batch], max(self.version, 0))
+        base = max(self.version, 0)  # the version trained from: the gaps are measured before _commit moves it
+        gap, gap_hist = version_gap([batch], base), version_gap_hist([batch], base)
         self.unsaved.append(held)
         published = None
         if self.learner.step % self.cfg.train.update_weights_interval == 0:
@@ -310,7 +311,7 @@ class TrainerLoop:
         if gap is not None:
             metrics["train/version_gap_mean"], metrics["train/version_gap_max"] = gap
             # exact per-trajectory counts, so `dressage report` draws a true histogram
-            metrics["train/version_gap_hist"] = version_gap_hist([batch], max(self.version, 0))
+            metrics["train/version_gap_hist"] = gap_hist
         if spans := version_span_hist([batch]):
             metrics["train/version_span_hist"] = spans  # the span cap's subject, per trajectory
         if published is not None:

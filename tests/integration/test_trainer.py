@@ -78,8 +78,11 @@ def test_trainer_trains_checkpoints_publishes_and_dead_letters_poison(
     rows = read_metrics(redis_client, keys, "trainer")
     assert [m["train/step"] for m in rows] == [1, 2, 3]
     assert [m["train/published_version"] for m in rows] == [1, 2, 3]  # read_metrics parses "1" as JSON
+    # batches made by v0 and trained from v0, v1, v2: the histogram counts the same gaps as the mean and max
+    assert [(m["train/version_gap_mean"], m["train/version_gap_max"]) for m in rows] == [(0, 0), (1, 1), (2, 2)]
+    assert [m["train/version_gap_hist"] for m in rows] == [{"0": 8}, {"1": 8}, {"2": 8}]
     for m in rows:
-        assert m["train/version_gap_max"] >= 0 and m["train/batch_groups"] == 2
+        assert m["train/batch_groups"] == 2
         assert m["train/train_rollout_logprob_abs_diff"] > 0 and m["train/tokens_per_s"] > 0
 
 

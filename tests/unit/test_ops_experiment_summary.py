@@ -81,6 +81,13 @@ def test_speed_ups_and_the_headline(tmp_path: Path) -> None:
     line = headline(spec, rows)
     assert line.startswith("async/sync wall-clock to 4 steps: 2.00× (seeds 2, 95% interval [")
     assert line.endswith("); to sync final accuracy: 2.75×")
+    spec_path.write_text(yaml.safe_dump({
+        "name": "s", "base": str(REPO / "configs/test.yaml"), "baseline": "off", "seeds": [0, 1],
+        "stop": {"steps": 4}, "variants": {"off": {}, "keep2": {}}}))
+    for row in rows:
+        row["variant"] = {"sync": "off", "async": "keep2"}[row["variant"]]
+    line = headline(load_spec(spec_path), rows)  # any other spec names its pair, never "async/sync"
+    assert line.startswith("keep2/off wall-clock to 4 steps: 2.00×") and line.endswith("to off final accuracy: 2.75×")
 
 
 def test_a_one_variant_spec_headlines_its_reward_gain(tmp_path: Path) -> None:
