@@ -295,10 +295,10 @@ class TrainerLoop:
     def _train_step(self, held: Held) -> None:
         """One batch = one optimizer step (so pacing's groups per version stay groups_per_batch × interval)."""
         eid, batch = held
+        base = max(self.version, 0)  # the version trained from; the gaps are measured before _commit moves it
         with self.clock.phase("train"):
-            metrics: dict[str, Any] = self.learner.train_step([batch], max(self.version, 0))  # gap base
+            metrics: dict[str, Any] = self.learner.train_step([batch], base)
         fault_point("after_step")
-        base = max(self.version, 0)  # the version trained from: the gaps are measured before _commit moves it
         gap, gap_hist = version_gap([batch], base), version_gap_hist([batch], base)
         self.unsaved.append(held)
         published = None
