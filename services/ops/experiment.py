@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true",
                    help="rebuild summary and report from the finished runs' metrics (no run starts)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated subset of the variants to run and report (must include the baseline)")
     return p.parse_args(argv)
 
 
@@ -317,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("experiment")
     try:
-        spec = load_spec(args.spec, quick=args.quick)
+        only = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants is not None else None
+        spec = load_spec(args.spec, quick=args.quick, only=only)
     except SpecError as exc:
         sys.stderr.write(f"dressage experiment: {exc}\n")
         return 2

@@ -187,8 +187,11 @@ def _pydantic_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def load_spec(path: str | Path, quick: bool = False) -> Spec:
-    """Parse and validate a spec file, and every run's config (see the module docstring)."""
+def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
+    """Parse and validate a spec file, and every run's config (see the module docstring).
+
+    ``only``: run just these variants (``--variants``); they must be the spec's (or its quick preset's)
+    and include the baseline. The runs keep their folders, so a later run of the whole spec skips them."""
     p = Path(path)
     try:
         f = SpecFile.model_validate(_read_yaml(p, "experiment spec"))
@@ -212,6 +215,13 @@ def load_spec(path: str | Path, quick: bool = False) -> Spec:
             raise SpecError(f"quick.variants: unknown variant(s) {unknown} (variants: {', '.join(f.variants)})")
         if f.baseline not in variants:
             raise SpecError(f"quick.variants: must include the baseline {f.baseline!r}")
+    if only is not None:
+        unknown = [v for v in only if v not in variants]
+        if unknown:
+            raise SpecError(f"--variants: unknown variant(s) {unknown} (variants: {', '.join(variants)})")
+        if f.baseline not in only:
+            raise SpecError(f"--variants: must include the baseline {f.baseline!r}")
+        variants = [v for v in variants if v in only]
     if len(set(seeds)) != len(seeds):
         raise SpecError(f"seeds: duplicates in {seeds}")
     base = _read_yaml(Path(f.base), "base config")

@@ -45,6 +45,17 @@ def test_quick_preset_changes_seeds_stop_and_folder(tmp_path: Path) -> None:
     assert [r.key for r in spec.runs] == ["sync/seed7", "async/seed7"]
 
 
+def test_variants_subset_keeps_spec_order_and_needs_the_baseline(tmp_path: Path, capsys: Any) -> None:
+    spec = load_spec(write_spec(tmp_path, variants={"sync": {}, "a": {}, "b": {}}), only=["b", "sync"])
+    assert [r.key for r in spec.runs] == ["sync/seed0", "sync/seed1", "b/seed0", "b/seed1"]
+    with pytest.raises(SpecError, match="--variants: unknown.*'c'"):
+        load_spec(write_spec(tmp_path), only=["sync", "c"])
+    with pytest.raises(SpecError, match="--variants: must include the baseline 'sync'"):
+        load_spec(write_spec(tmp_path), only=["async"])
+    assert experiment_main([str(write_spec(tmp_path)), "--variants", "sync", "--check"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["  sync/seed0", "  sync/seed1"]
+
+
 @pytest.mark.parametrize(("changes", "named"), [
     ({"variants": {"sync": {"pacing": {"max_versions_ahaed": 0}}}}, "pacing.max_versions_ahaed"),
     ({"variants": {"sync": {"pacingg.max_versions_ahead": 0}}}, "pacingg"),
