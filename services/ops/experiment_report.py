@@ -145,11 +145,12 @@ def variant_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]
 
 def staleness_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     """Did the controls act, and what did they cost: steps and time to each target (runs that reached
-    it), the shares dropped by the window / rejected by the span cap / dead-lettered, the logprob diff."""
+    it), the shares dropped by the window / rejected by the span cap / dead-lettered, how often the
+    window in force changed (an adaptive one), the logprob diff."""
     head = ["variant"]
     for x in spec.targets:
         head += [f"steps to {x:g}", f"time to {x:g} (s)", "reached"]
-    head += ["window drops", "span rejections", "re-enqueued", "dead-lettered", "logprob diff"]
+    head += ["window drops", "span rejections", "re-enqueued", "dead-lettered", "window changes", "logprob diff"]
     out = [head]
     for v in spec.variants:
         n = len([r for r in rows if r.get("variant") == v])
@@ -159,6 +160,7 @@ def staleness_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str
             cells += [_iv(_mean(steps), 0), _iv(_mean(summ.values(rows, v, summ.target_column(x))), 0),
                       f"{len(steps)}/{n}"]
         cells += [_iv(_mean([100 * x for x in summ.values(rows, v, c)]), 1, " %") for c in summ.SHARES]
+        cells.append(_iv(_mean(summ.values(rows, v, "window_changes")), 1))
         cells.append(_iv(_mean(summ.values(rows, v, "logprob_abs_diff_mean")), 4))
         out.append(cells)
     return out

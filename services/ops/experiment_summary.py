@@ -24,6 +24,9 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
   interval of the gain says whether a run learned at all;
 * ``tool_calls_first`` / ``tool_calls_last`` / ``tool_calls_gain``: the same for the share of
   samples that called a tool (``train/tool_calls/sample_frac``; tool-using tasks only);
+* ``window_changes`` / ``keep_versions_last``: how often the batch window in force changed during the
+  run (the collector's reported ``staleness/keep_versions``; 0 for a fixed window) and the last
+  window (0 = off): whether an adaptive window moved at all;
 * the time decomposition columns come from ``services.ops.timing``.
 """
 
@@ -42,6 +45,7 @@ COUNTERS = {"groups_produced": "groups_produced", "groups_trained": "groups_trai
 
 
 SHARES = ("window_drop_share", "span_reject_share", "reenqueue_share", "dead_letter_share")
+WINDOW = ("window_changes", "keep_versions_last")
 
 
 def target_column(x: float) -> str:
@@ -58,7 +62,7 @@ def columns(targets: Sequence[float]) -> list[str]:
             + [target_column(x) for x in targets] + [steps_column(x) for x in targets]
             + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
             + [f"{name}_{part}" for name in ("reward", "tool_calls") for part in ("first", "last", "gain")]
-            + list(COUNTERS) + list(SHARES) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
+            + list(COUNTERS) + list(SHARES) + list(WINDOW) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
 
 
 def step_clock(rows: Sequence[Row]) -> dict[int, float]:
@@ -69,6 +73,14 @@ def step_clock(rows: Sequence[Row]) -> dict[int, float]:
         if s is not None and w is not None:
             out[int(s)] = w
     return out
+
+
+def window_history(rows: Sequence[Row]) -> dict[str, int | None]:
+    """``window_changes`` and ``keep_versions_last`` from the collector's reports, in row order."""
+    seen = [int(k) for k in (number(r.get("staleness/keep_versions")) for r in rows
+                             if r.get("service") == "group-collector") if k is not None]
+    changes = sum(1 for a, b in zip(seen, seen[1:], strict=False) if a != b)
+    return {"window_changes": changes if seen else None, "keep_versions_last": seen[-1] if seen else None}
 
 
 def publish_clock(rows: Sequence[Row]) -> dict[int, float]:
@@ -174,6 +186,7 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
     for col, counter in COUNTERS.items():
         row[col] = int(number(stats.get(f"stats/{counter}", 0)) or 0) if stats else None
     row.update(shares(row))
+    row.update(window_history(rows))
     row.update(timing.columns(timing.decompose(rows, slots)))
     row["run_dir"] = run_dir
     return row

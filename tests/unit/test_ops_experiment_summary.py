@@ -54,6 +54,17 @@ def test_run_row_from_metric_rows() -> None:
     assert list(row) == summ.columns([0.45, 0.9])
 
 
+def test_window_history_counts_changes_of_the_collectors_window() -> None:
+    def collector(k: int | None) -> dict[str, object]:
+        return {"service": "group-collector", "staleness/keep_versions": k}
+
+    rows = [collector(4), {"service": "trainer", "staleness/keep_versions": 9}, collector(4), collector(3),
+            collector(None), collector(3), collector(4)]
+    assert summ.window_history(rows) == {"window_changes": 2, "keep_versions_last": 4}
+    assert summ.window_history([collector(2)] * 3) == {"window_changes": 0, "keep_versions_last": 2}
+    assert summ.window_history([{"service": "trainer"}]) == {"window_changes": None, "keep_versions_last": None}
+
+
 def test_first_last_takes_a_fifth_of_the_steps_at_each_end() -> None:
     assert summ.first_last([]) == (None, None, None)
     first, last, gain = summ.first_last([0.0] * 5 + [1.0] * 10 + [0.5] * 5 + [0.9] * 5)  # 25 values: fifths of 5
