@@ -187,6 +187,15 @@ def _pydantic_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _check_subset(where: str, chosen: list[str], available: list[str], baseline: str) -> None:
+    """A chosen subset of variants names only ``available`` ones and includes the baseline."""
+    unknown = [v for v in chosen if v not in available]
+    if unknown:
+        raise SpecError(f"{where}: unknown variant(s) {unknown} (variants: {', '.join(available)})")
+    if baseline not in chosen:
+        raise SpecError(f"{where}: must include the baseline {baseline!r}")
+
+
 def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
     """Parse and validate a spec file, and every run's config (see the module docstring).
 
@@ -210,17 +219,9 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
         stop = f.quick.stop or stop
         variants = f.quick.variants or variants
         extra = f.quick.overrides
-        unknown = [v for v in variants if v not in f.variants]
-        if unknown:
-            raise SpecError(f"quick.variants: unknown variant(s) {unknown} (variants: {', '.join(f.variants)})")
-        if f.baseline not in variants:
-            raise SpecError(f"quick.variants: must include the baseline {f.baseline!r}")
+        _check_subset("quick.variants", variants, list(f.variants), f.baseline)
     if only is not None:
-        unknown = [v for v in only if v not in variants]
-        if unknown:
-            raise SpecError(f"--variants: unknown variant(s) {unknown} (variants: {', '.join(variants)})")
-        if f.baseline not in only:
-            raise SpecError(f"--variants: must include the baseline {f.baseline!r}")
+        _check_subset("--variants", only, variants, f.baseline)
         variants = [v for v in variants if v in only]
     if len(set(seeds)) != len(seeds):
         raise SpecError(f"seeds: duplicates in {seeds}")
