@@ -22,7 +22,7 @@ def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)
     if port is not None and not args.burst:
         serve_metrics(worker, port)
-    return partial(run_worker, worker, args.burst)
+    return partial(run_worker, worker, args.burst, backoff_max_s=cfg.redis.reconnect_backoff_max_s)
 
 
 def main(argv: list[str] | None = None) -> int:
