@@ -19,14 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import redis
-
 from shared.lifecycle import StopFlag
-from shared.retry import Backoff
+from shared.retry import TRANSIENT, Backoff
 
 log = logging.getLogger(__name__)
-
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError)  # what an outage looks like to redis-py
 
 
 class ConsumerLoop:

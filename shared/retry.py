@@ -22,6 +22,8 @@ from shared.errors import RedisAuthFailed, RedisUnavailable
 
 log = logging.getLogger(__name__)
 
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError)  # what an outage looks like to redis-py (AOF loading too)
+
 
 class Backoff:
     def __init__(self, first_s: float = 0.1, max_s: float = 5.0) -> None:
@@ -63,7 +65,7 @@ def check_redis(r: redis.Redis, timeout_s: float | None = None, backoff_max_s: f
             if is_auth_error(exc):
                 raise RedisAuthFailed(f"redis at {endpoint(r)} refused the credentials: {exc} — check "
                                       "REDIS_PASSWORD / redis.password (and the user in REDIS_URL)") from None
-            if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            if not isinstance(exc, TRANSIENT):
                 raise
             delay = backoff.next()
             if deadline is not None and time.monotonic() + delay > deadline:

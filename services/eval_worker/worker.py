@@ -28,6 +28,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -40,13 +41,12 @@ from rq.queue import Queue
 from services.eval_worker.admission import JobPolicy
 from shared.evaluation import SERIALIZER
 from shared.keys import Keys
-from shared.retry import Backoff, check_redis
+from shared.retry import TRANSIENT, Backoff, check_redis
 from shared.telemetry import Heartbeat
 
 log = logging.getLogger(__name__)
 
 SERVICE = "eval-worker"
-REDIS_FAULTS = (redis.ConnectionError, redis.TimeoutError)  # transient (a Redis still loading its AOF included)
 HEALTHY_RUN_S = 60.0  # a loop that ran this long before quitting met a new fault, not a repeat: backoff resets
 
 
@@ -119,7 +119,7 @@ class EvalWorker(Worker):  # type: ignore[misc]  # rq is followed as untyped (py
         pubsub thread is stopped without its unsubscribe (a restarted loop subscribes afresh)."""
         try:
             super().teardown()
-        except REDIS_FAULTS as exc:
+        except TRANSIENT as exc:
             log.warning("eval worker %s: teardown with Redis unreachable (%s); registration left to expire",
                         self.name, exc)
             if self.pubsub_thread is not None:
@@ -143,8 +143,9 @@ def build_worker(r: redis.Redis, keys: Keys, queue: str, consumer: str, heartbea
     beat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
     job_class = job_class_for(policy)
     rq_queue = Queue(queue, connection=r, serializer=SERIALIZER, job_class=job_class)
+    fresh_name = partial(rq_worker_name, keys, consumer)
     return EvalWorker([rq_queue], connection=r, serializer=SERIALIZER, beat=beat, job_class=job_class,
-                      name=rq_worker_name(keys, consumer), fresh_name=lambda: rq_worker_name(keys, consumer))
+                      name=fresh_name(), fresh_name=fresh_name)
 
 
 def run_worker(worker: EvalWorker, burst: bool, *, backoff_max_s: float = 5.0) -> int:
@@ -158,7 +159,7 @@ def run_worker(worker: EvalWorker, burst: bool, *, backoff_max_s: float = 5.0) -
         worker.in_loop, started = True, time.monotonic()
         try:
             worker.work(burst=burst, logging_level="INFO")
-        except REDIS_FAULTS as exc:  # rq's registration, before its loop's own guard
+        except TRANSIENT as exc:  # rq's registration, before its loop's own guard
             log.warning("eval worker %s: rq's loop could not start: %s", worker.name, exc)
         finally:
             worker.in_loop = False
