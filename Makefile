@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Two bounded runs: digit reversal (learns; the batch window drops stale groups), then a multi-turn agent
+# whose episodes straddle weight updates (the window and the span cap of partial rollout both act).
 demo: venv
 	$(BIN)/dressage up --config configs/cpu-demo.yaml --demo
+	$(BIN)/dressage up --config configs/cpu-demo-agent.yaml --demo
 
 # A tool-using agent trained end to end (lookup task, examples/agents/tool_agent.py on the openai SDK):
 # the printed report shows reward and the share of well-formed tool calls (docs/proxy.md).

@@ -61,3 +61,29 @@ def test_required_password_refuses_defaults_without_echoing_it() -> None:
     assert "changeme" not in str(info.value) and "password" in str(info.value)
     cfg = load_config(None, env={"DRESSAGE_REDIS_REQUIRE_PASSWORD": "true", "REDIS_PASSWORD": "s3cret-long"})
     assert cfg.redis.password is not None and "s3cret" not in repr(cfg.redis)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_deployment_config_loads(path: Path) -> None:
+    cfg = load_config(path, env={"REDIS_PASSWORD": "a-test-only-password"})  # gpu.yaml requires one
+    assert Path(cfg.prompt_buffer.dataset).suffix == ".jsonl"
+
+
+def test_demo_agent_run_is_set_up_for_both_staleness_controls() -> None:
+    """`make demo`'s second run: multi-turn episodes, the window on, partial rollout with a span cap,
+    rollout allowed ahead of the trainer -- and its own ports and prefix, so it never meets the first run."""
+    from shared.tasks import get_task
+
+    agent = load_config(REPO / "configs/cpu-demo-agent.yaml", env={})
+    first = load_config(REPO / "configs/cpu-demo.yaml", env={})
+    assert get_task(agent.model.task).max_turns > 1
+    eta = agent.pacing.max_versions_ahead
+    assert agent.staleness.keep_versions >= 1 and eta is not None and eta >= agent.staleness.keep_versions
+    assert agent.proxy.partial_rollout and agent.proxy.max_partial_rollout_preempts is not None
+    assert (agent.engine.port, agent.proxy.port, agent.redis.prefix) != (first.engine.port, first.proxy.port,
+                                                                        first.redis.prefix)
+    assert agent.proxy.engines == [f"http://{agent.engine.host}:{agent.engine.port}"]
+    assert agent.rollout.proxy_url == f"http://{agent.proxy.host}:{agent.proxy.port}"
