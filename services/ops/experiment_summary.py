@@ -60,7 +60,8 @@ def columns(targets: Sequence[float]) -> list[str]:
     """summary.csv's header, in order."""
     return (["variant", "seed", "steps", "wall_to_k_s", "wall_clock_s", "startup_s"]
             + [target_column(x) for x in targets] + [steps_column(x) for x in targets]
-            + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean"]
+            + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean",
+               "logprob_abs_diff_all_mean"]
             + [f"{name}_{part}" for name in ("reward", "tool_calls") for part in ("first", "last", "gain")]
             + list(COUNTERS) + list(SHARES) + list(WINDOW) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
 
@@ -158,6 +159,7 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
     evals = eval_curve(rows)
     rewards = [y for _, y in reward_curve(rows)]
     diffs = [y for y in (pick(r, series.LOGPROB_DIFF) for r in trainer) if y is not None]
+    diffs_all = [y for y in (pick(r, series.LOGPROB_DIFF_ALL) for r in trainer) if y is not None] or diffs
     stats = next((r for r in reversed(rows) if r.get("service") == "ops" and any(
         str(key).startswith("stats/") for key in r)), {})
     startup = None
@@ -179,6 +181,7 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
         "best_eval_acc": max(a for _, a in evals) if evals else None,
         "reward_auc": sum(rewards) if rewards else None,
         "logprob_abs_diff_mean": sum(diffs) / len(diffs) if diffs else None,
+        "logprob_abs_diff_all_mean": sum(diffs_all) / len(diffs_all) if diffs_all else None,
     })
     calls = [y for y in (pick(r, series.TOOL_SAMPLE_FRAC) for r in trainer) if y is not None]
     for name, ys in (("reward", rewards), ("tool_calls", calls)):

@@ -21,6 +21,8 @@ STEP = ("train/step", "step")
 VERSION = ("train/version", "version", "weight_version", "eval/version")
 REWARD = ("train/reward_mean", "train/reward", "reward_mean", "reward/mean")
 LOGPROB_DIFF = ("train/train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff")
+# the same over every response token, reported only under the non-last-version loss mask
+LOGPROB_DIFF_ALL = ("train/train_rollout_logprob_abs_diff_all",)
 EVAL_ACC = ("eval/accuracy", "eval_accuracy")
 EVAL_REWARD = ("eval/reward", "eval/reward_mean")
 GAP = ("train/version_gap", "staleness/version_gap")  # the trainer's gap is the one at training time  # prefixes of *_mean/_max/_hist

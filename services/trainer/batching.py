@@ -7,7 +7,9 @@ Contract:
 * ``build_rows`` turns the batches of one optimizer step into rows (one per sample) carrying the
   GRPO advantage of its trajectory, its train mask (``loss.train_masks``) and, when asked, the
   staleness weight of its trajectory's version gap (``loss.staleness_weight``). Failed groups carry
-  no samples to train and are skipped.
+  no samples to train and are skipped. Under the non-last-version mask a row also carries its
+  unmasked response tokens (``diff_mask``), so that the logprob diff can be measured over the same
+  tokens with and without the mask.
 * ``micro_batches`` + ``collate`` pad rows on the right into ``[B, T]`` tensors, grouped by length
   so little compute goes to padding; the order of rows inside a step does not change the gradient.
 """
@@ -40,6 +42,7 @@ class TrainRow:
     rollout_logprobs: list[float]  # behaviour-policy logprob per token (0.0 where mask is 0)
     advantage: float  # GRPO advantage of the sample's trajectory
     weight: float = 1.0  # staleness weight of the sample's trajectory (1 = unweighted)
+    diff_mask: list[int] | None = None  # the mask before the non-last-version mask (None: not masked)
 
 
 @dataclass
@@ -59,6 +62,11 @@ class StepRows:
     def tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.rows)
 
+    @property
+    def diff_tokens(self) -> int:
+        """Response tokens before the non-last-version mask (``loss_tokens`` when it is off)."""
+        return sum(sum(r.mask if r.diff_mask is None else r.diff_mask) for r in self.rows)
+
 
 @dataclass
 class Tensors:
@@ -70,6 +78,7 @@ class Tensors:
     rollout_logp: torch.Tensor  # float32 behaviour logprobs
     advantages: torch.Tensor  # float32 [B]
     weights: torch.Tensor  # float32 [B], the rows' staleness weights
+    diff_mask: torch.Tensor | None = None  # float, 1 on response tokens before the version mask (None: unmasked)
 
 
 def validate_batch(batch: Batch, vocab_size: int, max_len: int) -> None:
@@ -113,10 +122,11 @@ def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool
             out.rewards.extend(trajectory_rewards(samples))
             advantages = sample_advantages(samples, std_normalize)
             masks = train_masks(samples, mask_nonlast)
+            unmasked = train_masks(samples, False) if mask_nonlast else [None] * len(samples)
             gaps = trajectory_gaps(group, current_version) if weight and current_version is not None else {}
-            for s, adv, mask in zip(samples, advantages, masks, strict=True):
+            for s, adv, mask, full in zip(samples, advantages, masks, unmasked, strict=True):
                 w = weight(gaps.get(s.traj_id, 0)) if weight else 1.0
-                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv, w))
+                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv, w, full))
     return out
 
 
@@ -142,8 +152,15 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
         logp[b, :k] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     weights = torch.tensor([r.weight for r in rows], dtype=torch.float32)
+    diff_mask = None
+    if any(r.diff_mask is not None for r in rows):
+        diff_mask = torch.zeros((n, width), dtype=torch.float32)
+        for b, r in enumerate(rows):
+            diff_mask[b, : len(r.token_ids)] = torch.tensor(r.mask if r.diff_mask is None else r.diff_mask,
+                                                             dtype=torch.float32)
+        diff_mask = diff_mask.to(device)
     return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device),
-                   weights.to(device))
+                   weights.to(device), diff_mask)
 
 
 def version_gap_hist(batches: Sequence[Batch], current_version: int) -> dict[str, int]:

@@ -8,7 +8,10 @@ accumulates; then the gradient norm is clipped and the optimizer steps once. How
 never changes its gradient (token-level mean over the whole step). Because the weights only change at that single ``optimizer.step()``, the
 logprobs every micro-batch computes are the current policy *before* the update: they give
 ``train/train_rollout_logprob_abs_diff`` (reference §6.3) and the proximal policy of TIS without a
-second forward pass. A step whose gradient is not finite is skipped (weights unchanged) and says so.
+second forward pass. Under the non-last-version loss mask that diff covers the trained (last-version)
+tokens only, so ``train/train_rollout_logprob_abs_diff_all`` also reports it over every response token,
+the set the diff covers without the mask. A step whose gradient is not finite is skipped (weights
+unchanged) and says so.
 
 Under ``torchrun`` (``services.trainer.parallel``) rank 0's ``train_step`` deals the step's rows to
 every rank and each rank runs ``train_shard`` on its part; gradients are reduced by DDP / FSDP2 and
@@ -30,7 +33,14 @@ from transformers import PreTrainedModel
 
 from services.trainer.batching import build_rows, collate, micro_batches, validate_batch
 from services.trainer.faults import fault_point
-from services.trainer.loss import LossConfig, entropy_sum, policy_loss, staleness_weight, token_logprobs
+from services.trainer.loss import (
+    LossConfig,
+    entropy_sum,
+    logprob_abs_diff_sum,
+    policy_loss,
+    staleness_weight,
+    token_logprobs,
+)
 from services.trainer.parallel import Parallel, Shard, split_rows
 from shared.config import TrainConfig
 from shared.schemas import Batch
@@ -38,7 +48,8 @@ from shared.toolcalls import tool_call_metrics
 
 log = logging.getLogger(__name__)
 
-SUM_KEYS = ("entropy", "clip_frac", "logprob_abs_diff", "kl", "tis_weight", "staleness_weight")  # reduced over ranks
+SUM_KEYS = ("entropy", "clip_frac", "logprob_abs_diff", "logprob_abs_diff_all", "kl", "tis_weight",
+            "staleness_weight")  # reduced over ranks
 
 
 def _warmup(steps: int) -> Any:
@@ -143,6 +154,8 @@ class Learner:
             metrics["train/tis_weight_mean"] = sums["tis_weight"] / denom
         if self.weighted:
             metrics["train/staleness_weight_mean"] = sums["staleness_weight"] / denom
+        if self.cfg.mask_nonlast_version_tokens:  # the diff above covers last-version tokens only
+            metrics["train/train_rollout_logprob_abs_diff_all"] = sums["logprob_abs_diff_all"] / max(data.diff_tokens, 1)
         return metrics
 
     def train_shard(self, shard: Shard) -> tuple[dict[str, float], float, float, bool]:
@@ -164,6 +177,9 @@ class Learner:
                                     self._ref_logprobs(t.input_ids, t.attention_mask),
                                     t.weights if self.weighted else None)
                 sums["entropy"] += entropy_sum(logits.detach(), t.mask)
+                if t.diff_mask is not None:  # the version mask is on: the diff over every response token too
+                    sums["logprob_abs_diff_all"] += float(logprob_abs_diff_sum(logp.detach(), t.rollout_logp,
+                                                                               t.diff_mask))
                 del logits
                 if not self.parallel.is_leader:
                     fault_point("follower_mid_step")  # crash tests: a rank dies with the step half done

@@ -253,3 +253,29 @@ def test_a_frozen_commit_copy_does_not_follow_the_next_optimizer_step() -> None:
     assert all(torch.equal(weights[k], before[k]) for k in before)
     assert not torch.equal(model.weight, weights["weight"])
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], moment) and state["step"] == 1
+
+
+def straddling_batch() -> Any:
+    """b1 with two of its samples resumed across updates: response tokens of versions 0, 0, 1, 1."""
+    from shared.staleness import sample_version_fields
+
+    b = batch("b1")
+    for s in (b.groups[0].samples[0], b.groups[1].samples[2]):
+        s.token_versions = ["-1"] * 5 + ["0", "0", "1", "1"]
+        for k, v in sample_version_fields(s.loss_mask, s.token_versions).items():
+            setattr(s, k, v)
+    return b
+
+
+def test_the_version_mask_reports_the_diff_over_every_response_token_too() -> None:
+    # Two learners with the same initial weights see the same batch; the diff is taken before the update.
+    plain = tiny_learner().train_step([straddling_batch()], current_version=2)
+    masked = tiny_learner(mask_nonlast_version_tokens=True).train_step([straddling_batch()], current_version=2)
+    assert "train/train_rollout_logprob_abs_diff_all" not in plain
+    assert masked["train/loss_tokens"] == plain["train/loss_tokens"] - 2 * 2  # two old-version tokens each
+    # Over every response token, the masked run's diff is the unmasked run's diff ...
+    assert masked["train/train_rollout_logprob_abs_diff_all"] == pytest.approx(
+        plain["train/train_rollout_logprob_abs_diff"], rel=1e-5)
+    # ... while its loss-token diff leaves the masked tokens out, so it differs.
+    assert masked["train/train_rollout_logprob_abs_diff"] != pytest.approx(
+        plain["train/train_rollout_logprob_abs_diff"], rel=1e-3)
