@@ -144,23 +144,19 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
     attention = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.float32)
     logp = torch.zeros((n, width), dtype=torch.float32)
+    diff_mask = torch.zeros((n, width), dtype=torch.float32) if any(r.diff_mask is not None for r in rows) else None
     for b, r in enumerate(rows):
         k = len(r.token_ids)
         input_ids[b, :k] = torch.tensor(r.token_ids, dtype=torch.long)
         attention[b, :k] = 1
         mask[b, :k] = torch.tensor(r.mask, dtype=torch.float32)
         logp[b, :k] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+        if diff_mask is not None:
+            diff_mask[b, :k] = torch.tensor(r.mask if r.diff_mask is None else r.diff_mask, dtype=torch.float32)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     weights = torch.tensor([r.weight for r in rows], dtype=torch.float32)
-    diff_mask = None
-    if any(r.diff_mask is not None for r in rows):
-        diff_mask = torch.zeros((n, width), dtype=torch.float32)
-        for b, r in enumerate(rows):
-            diff_mask[b, : len(r.token_ids)] = torch.tensor(r.mask if r.diff_mask is None else r.diff_mask,
-                                                             dtype=torch.float32)
-        diff_mask = diff_mask.to(device)
     return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device),
-                   weights.to(device), diff_mask)
+                   weights.to(device), None if diff_mask is None else diff_mask.to(device))
 
 
 def version_gap_hist(batches: Sequence[Batch], current_version: int) -> dict[str, int]:
