@@ -300,6 +300,16 @@ class EvalConfig(Section):
     data_root: str = "data"  # the eval worker refuses a job whose dataset resolves outside this directory
 
 
+def _per_service(value: dict[str, int], low: int, high: int, what: str) -> dict[str, int]:
+    """A per-service setting of ``dressage up``: known service names, values within [low, high]."""
+    for name, n in value.items():
+        if name not in LOCAL_SERVICES:
+            raise ValueError(f"unknown service {name!r} (known: {', '.join(LOCAL_SERVICES)})")
+        if not low <= n <= high:
+            raise ValueError(f"{name}: {what} must be between {low} and {high}, got {n}")
+    return value
+
+
 class OpsConfig(Section):
     """dressage up / status / report."""
 
@@ -314,16 +324,19 @@ class OpsConfig(Section):
     restart_max: int = Field(default=10, ge=0, le=10_000)  # `up --restart`: restarts per service before giving up
     # torch CPU threads (OMP_NUM_THREADS) per service started by `dressage up`, e.g. {trainer: 1}; unset = torch's default
     service_threads: dict[str, int] = Field(default_factory=dict)
+    # niceness added to each named service started by `dressage up`, 0..19 (higher = yields the CPU sooner),
+    # e.g. {eval-worker: 10}; unset = the supervisor's own. Only shares contended cores: idle ones are still used
+    service_nice: dict[str, int] = Field(default_factory=dict)
 
     @field_validator("service_threads")
     @classmethod
     def _known_services(cls, value: dict[str, int]) -> dict[str, int]:
-        for name, n in value.items():
-            if name not in LOCAL_SERVICES:
-                raise ValueError(f"unknown service {name!r} (known: {', '.join(LOCAL_SERVICES)})")
-            if not 1 <= n <= 1024:
-                raise ValueError(f"{name}: threads must be between 1 and 1024, got {n}")
-        return value
+        return _per_service(value, 1, 1024, "threads")
+
+    @field_validator("service_nice")
+    @classmethod
+    def _known_services_nice(cls, value: dict[str, int]) -> dict[str, int]:
+        return _per_service(value, 0, 19, "nice")
 
 
 class DressageConfig(Section):

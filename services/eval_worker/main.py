@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -11,11 +12,16 @@ from services.eval_worker.metrics import serve_metrics
 from services.eval_worker.worker import SERVICE, build_worker, run_worker
 from shared.config import DressageConfig
 from shared.entry import run_service
+from shared.evaluation import preload
 from shared.streams import consumer_name
 from shared.telemetry import prometheus_port
 
+log = logging.getLogger(__name__)
+
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
+    modules = preload(cfg.model.path)  # inherited by every forked work horse (shared.evaluation.preload)
+    log.info("preloaded %d modules for evaluation jobs model=%s", len(modules), cfg.model.path)
     worker = build_worker(cfg.redis.client(), cfg.keys(), cfg.eval.queue, consumer_name(SERVICE),
                           cfg.ops.heartbeat_ttl_s,
                           policy=JobPolicy(checkpoint_root=cfg.train.checkpoint_dir, data_root=cfg.eval.data_root))

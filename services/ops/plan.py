@@ -105,7 +105,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         if threads is not None:  # torch reads these at import: intra-op threads of this process
             penv.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
-                           **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
+                           nice=cfg.ops.service_nice.get(service, 0), **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
 
     specs = [
         proc("engine", TIER_ENGINE, ready=http_ok(f"http://{cfg.engine.host}:{c.engine_port}/health"),

@@ -4,7 +4,8 @@
 ``engine/busy_s`` (the engine scheduler's cumulative seconds with a forward pass running,
 summed over the run's engines) and ``proxy/weight_update_s`` / ``proxy/weight_updates`` (the
 proxy's cumulative weight-publication pause: pause, engine loads, resume), and ``cpu/<service>_s``
-(user + system CPU seconds of each service's processes from ``/proc/<pid>/stat``, replicas summed:
+(user + system CPU seconds of each service's processes and everything they started -- the eval worker's
+forked work horses -- from ``/proc/<pid>/stat``, replicas summed:
 on a small machine this is where the cores go). Differences between two samples divided by the time
 between them give the busy and pause fractions and the cores used (``services.ops.timing``). A probe
 that fails returns nothing: telemetry never stops a run.
@@ -37,17 +38,49 @@ def _get_json(url: str, token: str | None) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
-    """User + system CPU seconds of a live process (Linux ``/proc``); None when unreadable."""
+def _stat_fields(pid: int, proc: Path) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after ``pid (comm)``: state is [0], ppid [1], utime [11],
+    stime [12], cutime [13] and cstime [14] (children waited for); None when unreadable."""
     try:
         stat = (proc / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _ticks(fields: list[str], first: int, last: int) -> int:
     try:
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (IndexError, ValueError):
+        return sum(int(f) for f in fields[first:last + 1])
+    except ValueError:
+        return 0
+
+
+def _children(proc: Path) -> dict[int, list[int]]:
+    """ppid -> live child pids, from one scan of ``/proc``."""
+    out: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name), proc)) is not None and len(fields) > 1:
+            out.setdefault(int(fields[1]), []).append(int(entry.name))
+    return out
+
+
+def cpu_seconds(pid: int, proc: Path = Path("/proc"), children: dict[int, list[int]] | None = None) -> float | None:
+    """User + system CPU seconds of a live process and of every process it started (Linux ``/proc``):
+    its own, its children's that it waited for, and its live descendants' (an rq worker's work horse,
+    a forked job). None when unreadable. ``children`` is a ``/proc`` scan to reuse across calls."""
+    fields = _stat_fields(pid, proc)
+    if fields is None or len(fields) < 15:
         return None
+    tree = _children(proc) if children is None else children
+    ticks, todo, seen = _ticks(fields, 11, 14), list(tree.get(pid, [])), {pid}
+    while todo:
+        child = todo.pop()
+        if child in seen or (sub := _stat_fields(child, proc)) is None or len(sub) < 15:
+            continue
+        seen.add(child)
+        ticks += _ticks(sub, 11, 14)
+        todo.extend(tree.get(child, []))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def service_of(process: str) -> str:
@@ -57,8 +90,9 @@ def service_of(process: str) -> str:
 
 def cpu_by_service(pids: Mapping[str, int], proc: Path = Path("/proc")) -> dict[str, float]:
     out: dict[str, float] = {}
+    tree = _children(proc) if pids else {}
     for name, pid in pids.items():
-        seconds = cpu_seconds(pid, proc)
+        seconds = cpu_seconds(pid, proc, tree)
         if seconds is not None:
             key = f"cpu/{service_of(name)}_s"
             out[key] = round(out.get(key, 0.0) + seconds, 3)

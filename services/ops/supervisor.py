@@ -58,6 +58,7 @@ class ProcessSpec:
     may_finish: bool = False  # exit 0 is a normal end of this process only (not restarted)
     optional: bool = False  # its failure is reported (``Supervisor.degraded``), never fatal to the run
     cwd: str | None = None
+    nice: int = 0  # added to the child's niceness before exec (0..19): lower CPU priority under contention
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+def _child_setup(nice: int) -> Callable[[], None]:
+    """What the child runs between fork and exec: the parent-death signal (Linux) and its niceness.
+    Set before exec, so every thread the service later starts (torch's included) inherits it."""
+    linux = sys.platform.startswith("linux")
+
+    def setup() -> None:  # pragma: no cover - runs in the child between fork and exec
+        if linux:
+            _die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
+
+
 @dataclass
 class _Child:
     spec: ProcessSpec
@@ -158,7 +173,7 @@ class Supervisor:
         child.proc = subprocess.Popen(
             list(spec.argv), env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
             stderr=subprocess.STDOUT if out else None, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            preexec_fn=_child_setup(spec.nice))
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started %s pid=%d", spec.name, child.proc.pid)

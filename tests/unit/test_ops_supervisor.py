@@ -67,6 +67,18 @@ def test_ends_run_exit_zero_finishes_and_stops_the_others(tmp_path: Path) -> Non
     assert not alive(sup.pids()["server"])
 
 
+def test_a_child_runs_at_its_niceness_above_the_supervisors_own(tmp_path: Path) -> None:
+    code = "import os, threading\nprint('nice', os.nice(0), flush=True)\n" \
+           "t = threading.Thread(target=lambda: print('thread', os.getpriority(os.PRIO_PROCESS, 0), flush=True))\n" \
+           "t.start(); t.join()"
+    sup = Supervisor([spec("niced", code, tmp_path, ends_run=True, nice=7),
+                      spec("plain", SLEEP, tmp_path)], grace_s=5)
+    assert run_until(sup).outcome == "finished"
+    own = os.nice(0)
+    log = (tmp_path / "niced.log").read_text()
+    assert f"nice {min(19, own + 7)}" in log and f"thread {min(19, own + 7)}" in log  # threads inherit it
+
+
 def test_may_finish_exit_zero_keeps_the_run_going(tmp_path: Path) -> None:
     sup = Supervisor([spec("buffer", "pass", tmp_path, may_finish=True),
                       spec("trainer", "import time\ntime.sleep(0.8)", tmp_path, ends_run=True)], grace_s=5)

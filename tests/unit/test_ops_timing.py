@@ -125,6 +125,26 @@ def test_cpu_seconds_from_proc_stat_and_replicas_summed(tmp_path: Path) -> None:
     assert cpu_by_service(pids, tmp_path) == {"cpu/engine_s": 4.0, "cpu/rollout-worker_s": 5.0}
 
 
+def test_cpu_seconds_count_the_children_a_service_started_live_and_reaped(tmp_path: Path) -> None:
+    """An rq eval worker computes in forked work horses: their CPU is the eval worker's."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def stat(pid: int, ppid: int, utime: int, stime: int, cutime: int = 0, cstime: int = 0) -> None:
+        (tmp_path / str(pid)).mkdir()
+        rest = " ".join(["S", str(ppid)] + ["0"] * 9 + [str(v * ticks) for v in (utime, stime, cutime, cstime)]
+                        + ["0"] * 30)
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python -m x) {rest}\n")
+
+    stat(20, 1, 1, 0, cutime=6, cstime=1)  # the worker: 1 s itself, 7 s in horses already reaped
+    stat(21, 20, 2, 1)  # the live work horse
+    stat(22, 21, 1, 0)  # something the horse started
+    stat(30, 1, 5, 0)  # another service: not a child
+    (tmp_path / "self").mkdir()  # non-pid entries of /proc are skipped
+    assert cpu_seconds(20, tmp_path) == 1 + 7 + 3 + 1
+    assert cpu_by_service({"eval-worker": 20, "engine": 30}, tmp_path) == {"cpu/eval-worker_s": 12.0,
+                                                                             "cpu/engine_s": 5.0}
+
+
 def test_cores_used_per_service_over_the_loop() -> None:
     extra = [{**r, "cpu/engine_s": 5.0 + (float(r["ts"]) - 1000.0) * 0.5,  # type: ignore[arg-type]  # ts is a float
               "cpu/trainer_s": 1.0 + (float(r["ts"]) - 1000.0) * 0.8}  # type: ignore[arg-type]  # ts is a float

@@ -20,6 +20,7 @@ from services.ops.plan import RunChoices, build_plan, public_url, run_prefix
 from services.ops.progress import Progress, progress_line
 from services.ops.up import port_or_free
 from shared.config import load_config
+from shared.errors import ConfigError
 from shared.keys import Keys
 from shared.telemetry import heartbeat, report_metrics
 
@@ -63,6 +64,21 @@ def test_service_threads_set_omp_threads_of_those_services_only(tmp_path: Path) 
     by = {s.name: s.env for s in build_plan(cfg, choices(tmp_path))}
     assert by["trainer"]["OMP_NUM_THREADS"] == "1" and by["rollout-worker-3"]["OMP_NUM_THREADS"] == "2"
     assert "OMP_NUM_THREADS" not in by["engine"] or by["engine"]["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")
+
+
+def test_service_nice_lowers_the_priority_of_those_services_only(tmp_path: Path) -> None:
+    cfg = load_config("configs/cpu-demo.yaml", env={}, overrides={"ops": {"service_nice": {"eval-worker": 10,
+                                                                                           "rollout-worker": 3}}})
+    by = {s.name: s.nice for s in build_plan(cfg, choices(tmp_path))}
+    assert by["eval-worker"] == 10 and by["rollout-worker-1"] == by["rollout-worker-2"] == 3
+    assert by["trainer"] == by["engine"] == 0
+
+
+@pytest.mark.parametrize("bad, named", [({"trainer": 20}, "between 0 and 19"), ({"trainer": -1}, "between 0 and 19"),
+                                        ({"trainr": 1}, "unknown service 'trainr'")])
+def test_service_nice_refuses_unknown_services_and_out_of_range_values(bad: dict[str, int], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_config("configs/cpu-demo.yaml", env={}, overrides={"ops": {"service_nice": bad}})
 
 
 def test_progress_tick_samples_the_probe_into_the_ops_row(tmp_path: Path) -> None:
