@@ -12,7 +12,7 @@ from services.eval_worker.metrics import serve_metrics
 from services.eval_worker.worker import SERVICE, build_worker, run_worker
 from shared.config import DressageConfig
 from shared.entry import run_service
-from shared.evaluation import preload
+from shared.evaluation import preload, warm_up
 from shared.streams import consumer_name
 from shared.telemetry import prometheus_port
 
@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     modules = preload(cfg.model.path)  # inherited by every forked work horse (shared.evaluation.preload)
-    log.info("preloaded %d modules for evaluation jobs model=%s", len(modules), cfg.model.path)
+    warm = warm_up(cfg.model.path, cfg.eval.dataset, cfg.eval.batch_size)
+    log.info("preloaded %d modules for evaluation jobs model=%s warm=%s", len(modules), cfg.model.path, warm)
     worker = build_worker(cfg.redis.client(), cfg.keys(), cfg.eval.queue, consumer_name(SERVICE),
                           cfg.ops.heartbeat_ttl_s,
                           policy=JobPolicy(checkpoint_root=cfg.train.checkpoint_dir, data_root=cfg.eval.data_root))
