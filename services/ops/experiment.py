@@ -2,7 +2,9 @@
 
 Each run gets its own folder ``<out>/<spec>/<variant>/seed<k>/`` (config.yaml, up.log, the run's
 own logs, metrics.jsonl and checkpoints), its own Redis prefix and a private Redis, and runs one at
-a time unless ``--jobs N``. One progress line covers the whole experiment.
+a time unless ``--jobs N``, seed by seed (``experiment_spec.interleaved``: every variant of seed 0, then
+of seed 1, ...), so a drift of the machine's speed falls on every variant alike. One progress line
+covers the whole experiment.
 
 Resumability, the invariant: a run folder holding ``result.json`` is finished and never run again;
 any other run folder is partial (crashed, interrupted, killed) and is deleted and run again from
@@ -32,7 +34,7 @@ from typing import Any, TextIO
 import yaml
 
 from services.ops import experiment_summary as summ
-from services.ops.experiment_spec import Run, Spec, SpecError, load_spec
+from services.ops.experiment_spec import Run, Spec, SpecError, interleaved, load_spec
 from services.ops.metricslog import load_rows
 from services.ops.series import EVAL_ACC, STEP, number, pick
 from shared.lifecycle import StopFlag
@@ -166,7 +168,7 @@ class Experiment:
     def run_all(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         pending: list[Run] = []
-        for run in self.spec.runs:
+        for run in interleaved(self.spec.runs):
             done = self.folder(run) / RESULT
             if done.exists():
                 self.skipped += 1
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         sys.stdout.write(f"spec {spec.name}: {len(spec.runs)} runs, stop: {spec.stop.describe()}\n")
-        for run in spec.runs:
+        for run in interleaved(spec.runs):
             sys.stdout.write(f"  {run.key}\n")
         return 0
     stop = StopFlag().install()

@@ -196,6 +196,15 @@ def _check_subset(where: str, chosen: list[str], available: list[str], baseline:
         raise SpecError(f"{where}: must include the baseline {baseline!r}")
 
 
+def interleaved(runs: list[Run]) -> list[Run]:
+    """The order the runs are made in: seed by seed, every variant of a seed (in spec order) before the
+    next seed. A drift of the machine's speed during an experiment (other jobs, a neighbour on the host,
+    heat) then falls on every variant alike, not on whichever variants happened to run last; and after
+    the first seed every variant already has a run to compare. ``Spec.runs`` keeps the spec order."""
+    seeds = list(dict.fromkeys(r.seed for r in runs))
+    return sorted(runs, key=lambda r: seeds.index(r.seed))  # stable: the variants keep their spec order
+
+
 def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = None) -> Spec:
     """Parse and validate a spec file, and every run's config (see the module docstring).
 

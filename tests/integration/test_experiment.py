@@ -62,12 +62,12 @@ def wait_for(predicate: Callable[[], object], timeout: float, proc: subprocess.P
 def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path: Path, model_dir: Path) -> None:
     spec, out, log = tiny_spec(tmp_path, model_dir), tmp_path / "experiments", tmp_path / "runner.log"
     root = out / "tiny"
-    first, second = root / "sync" / "seed0", root / "sync" / "seed1"
+    first, second = root / "sync" / "seed0", root / "async" / "seed0"  # runs go seed by seed
     proc = start(spec, out, log)
     try:
         wait_for(lambda: (first / "result.json").exists() and (second / "child.json").exists(), 400, proc, log)
         orphan = json.loads((second / "child.json").read_text())["pid"]
-        proc.send_signal(signal.SIGKILL)  # the runner dies; its dressage up of sync/seed1 keeps going
+        proc.send_signal(signal.SIGKILL)  # the runner dies; its dressage up of async/seed0 keeps going
         proc.wait(10)
         finished_once = (first / "result.json").read_text()
         assert not (second / "result.json").exists()
@@ -78,7 +78,7 @@ def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path:
             proc.kill()
     assert (first / "result.json").read_text() == finished_once  # skipped, not run again
     spans = []  # (start, end) of each run the resumed runner made
-    for run in (second, root / "async" / "seed0", root / "async" / "seed1"):
+    for run in (second, root / "sync" / "seed1", root / "async" / "seed1"):
         res = json.loads((run / "result.json").read_text())
         spans.append((res["finished_at"] - res["duration_s"], res["finished_at"]))
     spans.sort()

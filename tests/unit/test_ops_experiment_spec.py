@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from services.ops.experiment import main as experiment_main
-from services.ops.experiment_spec import SpecError, load_spec, nest
+from services.ops.experiment_spec import SpecError, interleaved, load_spec, nest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,13 @@ def test_quick_preset_changes_seeds_stop_and_folder(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path), quick=True)
     assert spec.name == "t-quick" and spec.seeds == [7] and spec.stop.steps == 1
     assert [r.key for r in spec.runs] == ["sync/seed7", "async/seed7"]
+
+
+def test_runs_are_made_seed_by_seed_with_the_variants_in_spec_order(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path, variants={"sync": {}, "a": {}, "b": {}}))
+    assert [r.key for r in interleaved(spec.runs)] == ["sync/seed0", "a/seed0", "b/seed0",
+                                                       "sync/seed1", "a/seed1", "b/seed1"]
+    assert [r.key for r in spec.runs][:2] == ["sync/seed0", "sync/seed1"]  # the spec's (and summary's) order
 
 
 def test_variants_subset_keeps_spec_order_and_needs_the_baseline(tmp_path: Path, capsys: Any) -> None:
