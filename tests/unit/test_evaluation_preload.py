@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.trainer_factory import tiny_model
+from trainer_factory import tiny_model
 
 HEAVY = ("torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "shared.modeling", "shared.tasks")
 PROBE = f"""
