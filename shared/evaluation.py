@@ -102,16 +102,21 @@ def preload(model_path: str | None = None) -> list[str]:
 _job_threads: int | None = None  # set by ``warm_up``: the torch threads a job runs with (a fork inherits it)
 
 
-def warm_up(model_path: str, dataset: str, batch_size: int = 64) -> bool:
+def warm_up(model_path: str, dataset: str, batch_size: int = 64, device: str = "cpu") -> bool:
     """Run one small evaluation in the calling process, single-threaded, so the first-call work of torch
     and transformers (kernel dispatch, model-class and generation set-up) is done once, before rq forks,
     instead of in every work horse (a fresh horse's first evaluation took 0.6-1.0 s against 0.2 s warm).
 
     Single-threaded because a fork must not inherit a started OpenMP team (a child of a parent that ran a
     parallel op hangs in its first one); the jobs get the process's thread count back (``_job_threads``).
-    False, with a log line, when the model or the dataset cannot be read yet: jobs then start cold.
+    False, with a log line, when the model or the dataset cannot be read yet: jobs then start cold. Only
+    for CPU evaluation (``device`` "cpu"): on an accelerator the first-call work is the device's, which a
+    forked child must set up itself (a CUDA context must never be created before a fork).
     """
     global _job_threads
+    if device != "cpu":
+        log.info("warm-up skipped: eval.device=%s (only CPU evaluation is warmed up before the fork)", device)
+        return False
     import torch
 
     from shared.modeling import load_model, load_tokenizer

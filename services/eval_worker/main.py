@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
     modules = preload(cfg.model.path)  # inherited by every forked work horse (shared.evaluation.preload)
-    warm = warm_up(cfg.model.path, cfg.eval.dataset, cfg.eval.batch_size)
+    warm = warm_up(cfg.model.path, cfg.eval.dataset, cfg.eval.batch_size, cfg.eval.device)
     log.info("preloaded %d modules for evaluation jobs model=%s warm=%s", len(modules), cfg.model.path, warm)
     worker = build_worker(cfg.redis.client(), cfg.keys(), cfg.eval.queue, consumer_name(SERVICE),
                           cfg.ops.heartbeat_ttl_s,

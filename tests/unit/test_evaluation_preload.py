@@ -66,3 +66,11 @@ def test_warm_up_runs_single_threaded_and_the_forked_job_gets_the_threads_back(t
     assert got["warm"] is True
     assert got["parent"] == 1  # no OpenMP team started before the fork
     assert got["job_threads"] == 2 and got["child"] == {"n": 8.0, "threads": 2}  # the job ran, on its threads
+
+
+def test_warm_up_leaves_accelerator_evaluation_cold() -> None:
+    """Nothing is loaded for a CUDA evaluation: a CUDA context created before rq's fork breaks the horse."""
+    from shared import evaluation
+
+    assert evaluation.warm_up("models/does-not-matter", "data/reverse/test.jsonl", device="cuda") is False
+    assert evaluation._job_threads is None
