@@ -119,16 +119,10 @@ def warm_up(model_path: str, dataset: str, batch_size: int = 64, device: str = "
         return False
     import torch
 
-    from shared.modeling import load_model, load_tokenizer
-    from shared.tasks import load_dataset
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = load_dataset(dataset)[:2]
-        model, tokenizer = load_model(model_path), load_tokenizer(model_path)
-        with torch.no_grad():
-            score_rows(model, tokenizer, rows, batch_size)
+        score_checkpoint(model_path, dataset, 2, batch_size, device)  # the job's own path, on two rows
     except Exception as exc:  # a model not built yet, a missing dataset: jobs start cold, nothing fails
         log.warning("warm-up skipped model=%s dataset=%s: %s: %s", model_path, dataset, type(exc).__name__, exc)
         torch.set_num_threads(threads)
@@ -177,20 +171,28 @@ def _score_and_report(conn: redis.Redis, checkpoint_path: str, version: str, ste
                       n_examples: int, prefix: str, batch_size: int, device: str) -> dict[str, Any]:
     import torch
 
+    if _job_threads is not None and torch.get_num_threads() != _job_threads:
+        torch.set_num_threads(_job_threads)  # the warm-up ran single-threaded (``warm_up``)
+    scores = score_checkpoint(checkpoint_path, dataset, n_examples, batch_size, device)
+    metrics: dict[str, Any] = {**scores, "eval/version": str(version), "eval/step": int(step)}
+    report_metrics(conn, Keys(prefix), "eval", metrics)
+    log.info("evaluated version=%s step=%d accuracy=%.3f reward=%.3f n=%d", version, step,
+             scores["eval/accuracy"], scores["eval/reward"], int(scores["eval/n"]))
+    return metrics
+
+
+def score_checkpoint(checkpoint_path: str, dataset: str, n_examples: int, batch_size: int,
+                     device: str) -> dict[str, float]:
+    """``score_rows`` of the checkpoint at ``checkpoint_path`` on the first ``n_examples`` rows of ``dataset``."""
+    import torch
+
     from shared.modeling import load_model, load_tokenizer
     from shared.tasks import load_dataset
 
-    if _job_threads is not None and torch.get_num_threads() != _job_threads:
-        torch.set_num_threads(_job_threads)  # the warm-up ran single-threaded (``warm_up``)
     rows = load_dataset(dataset)[:n_examples]
     if not rows:
         raise ValueError(f"eval.dataset {dataset}: no rows to evaluate")
     model = load_model(checkpoint_path, device=device)
     tokenizer = load_tokenizer(checkpoint_path)
     with torch.no_grad():
-        scores = score_rows(model, tokenizer, rows, batch_size)
-    metrics: dict[str, Any] = {**scores, "eval/version": str(version), "eval/step": int(step)}
-    report_metrics(conn, Keys(prefix), "eval", metrics)
-    log.info("evaluated version=%s step=%d accuracy=%.3f reward=%.3f n=%d", version, step,
-             scores["eval/accuracy"], scores["eval/reward"], len(rows))
-    return metrics
+        return score_rows(model, tokenizer, rows, batch_size)

@@ -48,11 +48,14 @@ def _stat_fields(pid: int, proc: Path) -> list[str] | None:
     return stat[stat.rindex(")") + 2:].split()
 
 
-def _ticks(fields: list[str], first: int, last: int) -> int:
+def _ticks(fields: list[str] | None) -> int | None:
+    """utime + stime + cutime + cstime of parsed stat ``fields``; None when they are missing or unreadable."""
+    if fields is None or len(fields) < 15:
+        return None
     try:
-        return sum(int(f) for f in fields[first:last + 1])
+        return sum(int(f) for f in fields[11:15])
     except ValueError:
-        return 0
+        return None
 
 
 def _children(proc: Path) -> dict[int, list[int]]:
@@ -68,17 +71,17 @@ def cpu_seconds(pid: int, proc: Path = Path("/proc"), children: dict[int, list[i
     """User + system CPU seconds of a live process and of every process it started (Linux ``/proc``):
     its own, its children's that it waited for, and its live descendants' (an rq worker's work horse,
     a forked job). None when unreadable. ``children`` is a ``/proc`` scan to reuse across calls."""
-    fields = _stat_fields(pid, proc)
-    if fields is None or len(fields) < 15:
+    ticks = _ticks(_stat_fields(pid, proc))
+    if ticks is None:
         return None
     tree = _children(proc) if children is None else children
-    ticks, todo, seen = _ticks(fields, 11, 14), list(tree.get(pid, [])), {pid}
+    todo, seen = list(tree.get(pid, [])), {pid}
     while todo:
         child = todo.pop()
-        if child in seen or (sub := _stat_fields(child, proc)) is None or len(sub) < 15:
-            continue
+        if child in seen or (sub := _ticks(_stat_fields(child, proc))) is None:
+            continue  # a child that exited since the scan: its time is in our cutime once reaped
         seen.add(child)
-        ticks += _ticks(sub, 11, 14)
+        ticks += sub
         todo.extend(tree.get(child, []))
     return ticks / os.sysconf("SC_CLK_TCK")
 
