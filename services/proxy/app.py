@@ -12,11 +12,13 @@ fresh ``anon-…`` id is used and returned in the ``X-Session-Id`` response head
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.proxy import openai_format as fmt
 from services.proxy.auth import PRINCIPAL
 from services.proxy.chat import chat_plan
-from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound
+from services.proxy.errors import InvalidRequest, ProxyError, SessionNotFound, UnsupportedParameter
 from services.proxy.guards import Guard
 from services.proxy.messages_api import (
     MESSAGES_NO_EFFECT,
@@ -49,6 +51,7 @@ from services.proxy.schemas import (
     CHAT_NO_EFFECT,
     CHAT_UNSUPPORTED,
     ChatRequest,
+    CloseSessionsRequest,
     GenerateRequest,
     PauseRequest,
     ResumeRequest,
@@ -64,6 +67,7 @@ from shared.edge import BadJson, loads_json
 log = logging.getLogger(__name__)
 M = TypeVar("M", ChatRequest, ResponsesRequest, MessagesRequest)
 
+MAX_CHOICES = 256  # n per chat call with X-Session-Ids: a GRPO group's samples
 TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
 
 
@@ -93,6 +97,16 @@ def _partial(request: Request, default: bool) -> bool:
     if value not in TRUE | FALSE:
         raise InvalidRequest("X-Dressage-Partial-Rollout", "must be 1/true or 0/false")
     return value in TRUE
+
+
+def choice_sessions(header: str | None) -> list[str] | None:
+    """The sessions of ``X-Session-Ids: id0,id1,...`` (one per choice), checked; None without the header."""
+    if header is None:
+        return None
+    sids = [check_session_id(part.strip(), "X-Session-Ids") for part in header.split(",")]
+    if len(sids) > MAX_CHOICES or len(set(sids)) != len(sids):
+        raise InvalidRequest("X-Session-Ids", f"1-{MAX_CHOICES} distinct session ids, comma-separated")
+    return sids
 
 
 def _session_body(s: Session) -> dict[str, Any]:
@@ -151,7 +165,36 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
     def chat_logprobs(req: ChatRequest) -> int | None:
         return (req.top_logprobs or 0) if req.logprobs else None
 
+    async def chat_choices(request: Request, path_sid: str | None, sids: list[str]) -> Response:
+        """``n`` choices, choice i generated and recorded in session ``sids[i]`` (``X-Session-Ids``), as
+        n requests would be: one HTTP call for a GRPO group's shared first turn. All or nothing: the
+        first refusal is the answer (choices that finished stay recorded in their sessions)."""
+        raw = await _json_body(request)
+        if not isinstance(raw, dict) or raw.get("n", 1) != len(sids):
+            raise InvalidRequest("n", f"must equal the {len(sids)} sessions X-Session-Ids names")
+        body = {k: v for k, v in raw.items() if k != "n"}
+        refuse_unsupported(body, CHAT_UNSUPPORTED)
+        refuse_unknown(body, ChatRequest, CHAT_UNSUPPORTED, CHAT_NO_EFFECT)
+        req = parse(ChatRequest, body, rt.limits)
+        if path_sid or request.headers.get("x-session-id") or req.session_id:
+            raise InvalidRequest("X-Session-Ids", "names every choice's session: send no other session id")
+        plan = chat_plan(req, rt.cfg.max_tokens_limit)
+        if plan.stream:
+            raise UnsupportedParameter("stream", "n > 1 choices are not streamed")
+        partial = _partial(request, rt.cfg.partial_rollout)
+        plans = [plan if plan.seed is None else replace(plan, seed=(plan.seed + i) % (1 << 63)) for i in range(len(sids))]
+        done = await asyncio.gather(*(run_turn(rt, sid, partial, p) for sid, p in zip(sids, plans, strict=True)),
+                                    return_exceptions=True)
+        for res in done:
+            if isinstance(res, BaseException):
+                raise res
+        bodies = [fmt.chat_completion(res, rt.model_name, chat_logprobs(req), req.return_token_ids, token_text)
+                  for res in done if not isinstance(res, BaseException)]
+        return JSONResponse(fmt.merge_choices(bodies), headers={"X-Session-Ids": ",".join(sids)})
+
     async def chat(request: Request, path_sid: str | None) -> Response:
+        if (sids := choice_sessions(request.headers.get("x-session-ids"))) is not None:
+            return await chat_choices(request, path_sid, sids)
         return await surface(
             request, path_sid, CHAT_UNSUPPORTED, CHAT_NO_EFFECT, ChatRequest, lambda r: chat_plan(r, rt.cfg.max_tokens_limit),
             lambda res, r: fmt.chat_completion(res, rt.model_name, chat_logprobs(r), r.return_token_ids, token_text),
@@ -222,6 +265,17 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         async with s.lock:  # a running turn is recorded first
             s.finalized = True
         return _session_body(s)
+
+    async def close_sessions(request: Request) -> Response:
+        """Finalize, read and drop many sessions at once: one call per GRPO group instead of two per
+        trajectory. Ids the caller may not see are listed as ``missing`` (as a 404 would say)."""
+        req = parse(CloseSessionsRequest, await _json_body(request))
+        closed, missing = await rt.sessions.close(req.session_ids, principal=PRINCIPAL.get())
+        rt.metrics.sessions.set(len(rt.sessions))
+        records = {s.session_id: _session_body(s) for s in closed} if req.records else {}
+        return JSONResponse({"closed": [s.session_id for s in closed], "missing": missing, "records": records})
+
+    app.add_route("/v1/sessions/close", close_sessions, methods=["POST"])  # before /v1/sessions/{id}: plain route
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:

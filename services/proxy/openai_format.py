@@ -89,6 +89,18 @@ def chat_completion(res: TurnResult, model: str, logprobs: int | None, token_ids
     return body
 
 
+def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``chat.completion`` with n choices from n single-choice ones (choice i is body i's, each
+    recorded in its own session): usage counts the shared prompt once, ``dressage.choices`` has each
+    choice's block."""
+    first = bodies[0]
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    prompt = first["usage"]["prompt_tokens"]
+    return {**first, "choices": [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "dressage": {"choices": [b["dressage"] for b in bodies]}}
+
+
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return (f"event: {event}\n" if event else "").encode() + b"data: " + payload.encode() + b"\n\n"

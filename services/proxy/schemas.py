@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from services.proxy.errors import InvalidRequest, UnsupportedParameter
+from services.proxy.sessions import SESSION_ID_RE
 from shared.sglang_fields import REFUSED, is_set
 
 M = TypeVar("M", bound=BaseModel)
@@ -183,7 +184,7 @@ class ChatRequest(BaseModel):
 # here: refused with 400 naming the field, never ignored. A value equal to the API's default passes.
 CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "response_format": ({"type": "text"}, "structured output (JSON mode / json_schema) is not implemented"),
-    "n": (1, "only one choice per request (send n requests, each in its own session)"),
+    "n": (1, "n > 1 needs X-Session-Ids naming one session per choice (each choice is a trajectory)"),
     "audio": (None, "audio output is not supported by a text-only policy"),
     "modalities": (["text"], "only text output is supported"),
     "prediction": (None, "predicted outputs are not implemented"),
@@ -360,6 +361,28 @@ class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     session_id: str | None = Field(default=None, min_length=1, max_length=256, pattern=NO_CONTROL)
     version: str | None = Field(default=None, min_length=1, max_length=128, pattern=NO_CONTROL)  # engines' version
+
+
+MAX_CLOSE_SESSIONS = 1024  # ids per ``POST /v1/sessions/close``: a few GRPO groups' worth
+
+
+class CloseSessionsRequest(BaseModel):
+    """``POST /v1/sessions/close``: finalize, read and drop many sessions in one call (a group's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_ids: list[str] = Field(min_length=1, max_length=MAX_CLOSE_SESSIONS)
+    records: bool = True  # False: drop only (cleanup after a failed attempt)
+
+    @field_validator("session_ids")
+    @classmethod
+    def _ids(cls, v: list[str]) -> list[str]:
+        for i, sid in enumerate(v):
+            if not SESSION_ID_RE.fullmatch(sid):
+                raise ValueError(f"session id at index {i} must be 1-256 characters of [A-Za-z0-9._:@+=-], "
+                                 "starting with a letter or digit")
+        if len(set(v)) != len(v):
+            raise ValueError("session ids must be distinct")
+        return v
 
 
 def parse(model: type[M], data: Any, limits: Limits | None = None) -> M:

@@ -179,6 +179,24 @@ class SessionStore:
     def delete(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
 
+    async def close(self, session_ids: list[str], principal: Principal = OPEN) -> tuple[list[Session], list[str]]:
+        """Finalize and drop each session ``principal`` may see: a running turn is recorded first (its
+        lock), and none can start afterwards. Returns the closed sessions (still readable) and the ids
+        that were unknown, expired or another owner's -- never told apart."""
+        closed: list[Session] = []
+        missing: list[str] = []
+        for sid in session_ids:
+            try:
+                s = self.get(sid, principal=principal)
+            except SessionNotFound:
+                missing.append(sid)
+                continue
+            async with s.lock:
+                s.finalized = True
+            self._sessions.pop(sid, None)
+            closed.append(s)
+        return closed, missing
+
     def expire(self, now: float | None = None) -> list[str]:
         """Drop sessions idle longer than the TTL (never one with a turn in progress)."""
         now = time.monotonic() if now is None else now

@@ -28,10 +28,14 @@ from urllib.parse import unquote
 import httpx
 
 from services.rollout_worker.proxy_client import (
+    CLOSE_PATH,
     MAX_BACKPRESSURE_RETRIES,
     ChatMessages,
+    ClosedSessions,
     SessionCalls,
+    chat_replies,
     chat_reply,
+    closed_sessions,
     proxy_error,
     retry_after,
     session_path,
@@ -50,6 +54,12 @@ def _completion(text: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": 0, "completion_tokens": len(text), "total_tokens": len(text)}}
 
 
+def _choices(headers: dict[str, str]) -> int:
+    """Model calls one chat request makes: one per session of ``X-Session-Ids``, else one."""
+    many = {k.lower(): v for k, v in headers.items()}.get("x-session-ids")
+    return len(many.split(",")) if many else 1
+
+
 class FakeProxy:
     """Proxy state + request handling; thread-safe (the HTTP server is threaded)."""
 
@@ -60,19 +70,20 @@ class FakeProxy:
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.deleted: list[str] = []
         self.finalized: set[str] = set()
+        self.closes: list[list[str]] = []  # the ids of every POST /v1/sessions/close, in order
         self.calls: list[tuple[str, ChatMessages]] = []
         self.active = 0  # model calls in progress right now
         self.max_active = 0  # high-water mark of concurrent model calls
         self._lock = threading.Lock()
 
-    def enter(self) -> None:
+    def enter(self, calls: int = 1) -> None:
         with self._lock:
-            self.active += 1
+            self.active += calls
             self.max_active = max(self.max_active, self.active)
 
-    def leave(self) -> None:
+    def leave(self, calls: int = 1) -> None:
         with self._lock:
-            self.active -= 1
+            self.active -= calls
 
     def _record(self, session_id: str, messages: ChatMessages) -> tuple[int, dict[str, Any]]:
         with self._lock:
@@ -81,7 +92,7 @@ class FakeProxy:
         code = self.fail(session_id, index) if self.fail else None
         if code is not None:
             status = {"upstream_unavailable": 503, "over_capacity": 503, "http_500": 500}.get(code, 502)
-            return status, {"detail": {"error": code, "message": f"fake proxy injected {code}"}}
+            return status, {"detail": {"error": code, "message": f"fake proxy injected {code}", "session_id": session_id}}
         text = self.reply(session_id, messages)
         context = [ord(c) % 256 for m in messages for c in m.get("content", "")] or [0]
         response = [ord(c) % 256 for c in text]
@@ -107,16 +118,27 @@ class FakeProxy:
             if headers.get("authorization") not in granted:
                 return 401, {"detail": {"error": "unauthorized", "message": "bad or missing bearer token"}}
         if method == "POST" and parts[-3:] == ["v1", "chat", "completions"]:
-            session = parts[1] if parts[0] == "s" and len(parts) == 5 else headers.get("x-session-id")
+            session = parts[1] if parts[0] == "s" and len(parts) == 5 else headers.get("x-session-id") \
+                or headers.get("x-session-ids")
             if not session:
                 return 400, {"detail": {"error": "missing_session", "message": "X-Session-Id header required"}}
             try:
                 messages = json.loads(body or b"{}")["messages"]
             except (ValueError, KeyError, TypeError):
                 return 422, {"detail": {"error": "invalid_request", "message": "messages required"}}
-            if session in self.finalized:
-                return 409, {"detail": {"error": "session_conflict", "message": f"session {session!r} is finalized"}}
-            return self._record(session, messages)
+            choices = [sid.strip() for sid in headers["x-session-ids"].split(",")] if "x-session-ids" in headers \
+                else [session]
+            for sid in choices:
+                if sid in self.finalized:
+                    return 409, {"detail": {"error": "session_conflict", "message": f"session {sid!r} is finalized"}}
+            answers = [self._record(sid, messages) for sid in choices]  # n choices: one recorded per session
+            if len(answers) == 1 or any(status != 200 for status, _ in answers):
+                return next(((st, a) for st, a in answers if st != 200), answers[0])
+            merged = answers[0][1]
+            merged["choices"] = [{**a["choices"][0], "index": i} for i, (_, a) in enumerate(answers)]
+            return 200, merged
+        if method == "POST" and parts == ["v1", "sessions", "close"]:
+            return self._close(json.loads(body or b"{}"))
         if parts[:2] == ["v1", "sessions"] and len(parts) in (3, 4):
             with self._lock:
                 read = (method == "GET" and len(parts) == 3) or (method == "POST" and parts[3:] == ["finalize"])
@@ -132,27 +154,47 @@ class FakeProxy:
             return 404, {"detail": {"error": "unknown_session", "message": parts[2]}}
         return 404, {"detail": f"no route {method} {path}"}
 
+    def _close(self, req: dict[str, Any]) -> tuple[int, Any]:
+        ids = req.get("session_ids")
+        if not isinstance(ids, list) or not ids or len(set(ids)) != len(ids):
+            return 422, {"detail": {"error": "invalid_request", "message": "session_ids: distinct ids required"}}
+        records: dict[str, Any] = {}
+        with self._lock:
+            self.closes.append(list(ids))
+            missing = [sid for sid in ids if sid not in self.sessions]
+            self.deleted += ids  # asked to drop, known or not (as DELETE records it)
+            for sid in ids:
+                if sid in self.sessions:
+                    self.finalized.add(sid)
+                    samples = self.sessions.pop(sid)
+                    if req.get("records", True):
+                        records[sid] = {"session_id": sid, "samples": samples, "finalized": True,
+                                        "versions": [self.version]}
+        return 200, {"closed": [s for s in ids if s not in missing], "missing": missing, "records": records}
+
     async def handle_async(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
         """``handle`` after ``delay_s`` for model calls, counted as in flight meanwhile."""
         if not path.split("?")[0].endswith("/chat/completions"):
             return self.handle(method, path, headers, body)
-        self.enter()
+        calls = _choices(headers)
+        self.enter(calls)
         try:
             await asyncio.sleep(self.delay_s)
             return self.handle(method, path, headers, body)
         finally:
-            self.leave()
+            self.leave(calls)
 
     def handle_blocking(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:
         """``handle_async`` for server threads."""
         if not path.split("?")[0].endswith("/chat/completions"):
             return self.handle(method, path, headers, body)
-        self.enter()
+        calls = _choices(headers)
+        self.enter(calls)
         try:
             time.sleep(self.delay_s)
             return self.handle(method, path, headers, body)
         finally:
-            self.leave()
+            self.leave(calls)
 
     def transport(self) -> httpx.MockTransport:
         """An httpx transport answering from this fake (async, honours ``delay_s`` for chat calls)."""
@@ -175,10 +217,12 @@ class FakeProxyClient(SessionCalls):
         auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return {"X-Session-Id": session_id, **auth}
 
-    async def _call(self, method: str, path: str, session_id: str, body: bytes = b"") -> Any:
+    async def _call(self, method: str, path: str, session_id: str, body: bytes = b"",
+                    headers: dict[str, str] | None = None) -> Any:
         """One request through ``FakeProxy.handle`` with the HTTP client's error and backpressure rules."""
+        sent = self._headers(session_id) if headers is None else headers
         for _ in range(MAX_BACKPRESSURE_RETRIES):
-            status, answer = await self.fake.handle_async(method, path, self._headers(session_id), body)
+            status, answer = await self.fake.handle_async(method, path, sent, body)
             if status < 400:
                 return answer
             failure = proxy_error(status, answer, session_id)
@@ -191,11 +235,23 @@ class FakeProxyClient(SessionCalls):
         body = await self._call("POST", "/v1/chat/completions", session_id, json.dumps({"messages": messages}).encode())
         return chat_reply(body, session_id)
 
+    async def chat_many(self, session_ids: list[str], messages: ChatMessages, max_tokens: int,
+                        temperature: float) -> list[str]:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        body = json.dumps({"messages": messages, "n": len(session_ids)}).encode()
+        answer = await self._call("POST", "/v1/chat/completions", session_ids[0], body,
+                                  {"X-Session-Ids": ",".join(session_ids), **auth})
+        return chat_replies(answer, session_ids)
+
     async def _send(self, method: str, path: str, session_id: str) -> Any:
         return await self._call(method, path, session_id)
 
     async def finalize(self, session_id: str) -> dict[str, Any]:
         return dict(await self._send("POST", session_path(session_id, "/finalize"), session_id))
+
+    async def close_sessions(self, session_ids: list[str], records: bool = True) -> ClosedSessions:
+        body = json.dumps({"session_ids": session_ids, "records": records}).encode()
+        return closed_sessions(await self._call("POST", CLOSE_PATH, session_ids[0], body), session_ids[0])
 
     async def aclose(self) -> None:
         return None

@@ -2,7 +2,8 @@
 
 Contract (ARCHITECTURE, proxy HTTP contract): ``POST /v1/chat/completions`` with header
 ``X-Session-Id`` records one model call in that session; ``POST /v1/sessions/{id}/finalize`` closes
-it to new turns and returns ``{"session_id", "samples": [Sample dicts], ...}``; ``DELETE /v1/sessions/{id}`` drops it; black-box
+it to new turns and returns ``{"session_id", "samples": [Sample dicts], ...}``; ``DELETE /v1/sessions/{id}`` drops it;
+``POST /v1/sessions/close`` does both for a whole group in one call (``{"closed", "missing", "records"}``); black-box
 agents reach the same session through the session-scoped base URL ``{proxy}/s/{id}/v1``.
 
 Every failure surfaces as ``TrajectoryFailed`` with a code: the proxy's own 502 ``detail.error``
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -37,6 +39,24 @@ from shared.codes import (
 from shared.http_transport import HttpxTransport, RawHttp, Transport, TransportError
 
 ChatMessages = list[dict[str, str]]
+CLOSE_PATH = "/v1/sessions/close"
+
+
+@dataclass(frozen=True)
+class ClosedSessions:
+    """What ``POST /v1/sessions/close`` answered: a record per closed session, the ids it did not know."""
+
+    records: dict[str, dict[str, Any]]
+    missing: list[str]
+
+
+def closed_sessions(body: Any, session_id: str) -> ClosedSessions:
+    """Check the shape of a close answer (pure; used by the fake too); raises ``TrajectoryFailed``."""
+    if not isinstance(body, dict) or not isinstance(body.get("records"), dict) \
+            or not isinstance(body.get("missing"), list):
+        raise TrajectoryFailed("invalid_proxy_response", "close answer lacks records/missing", session_id=session_id)
+    records = {str(k): v for k, v in body["records"].items() if isinstance(v, dict)}
+    return ClosedSessions(records, [str(m) for m in body["missing"]])
 ENGINE_DOWN_STATUSES = frozenset({502, 503, 504})  # an engine answering these is restarting or overloaded
 MAX_BACKPRESSURE_RETRIES = 1000  # the trajectory timeout bounds the wait long before this
 CONNECT_TIMEOUT_S = 10.0
@@ -52,6 +72,12 @@ class ProxyClient(Protocol):
         """One model call recorded in ``session_id``; returns the assistant's text."""
         ...
 
+    async def chat_many(self, session_ids: list[str], messages: ChatMessages, max_tokens: int,
+                        temperature: float) -> list[str]:
+        """One call for n trajectories at the same messages: choice i is recorded in ``session_ids[i]``
+        (``n`` + ``X-Session-Ids``); returns the n assistant texts in order."""
+        ...
+
     async def finalize(self, session_id: str) -> dict[str, Any]:
         """Close the session to new turns (a running turn is recorded first) and return its record,
         including ``samples`` (Sample-shaped dicts)."""
@@ -59,6 +85,11 @@ class ProxyClient(Protocol):
 
     async def delete_session(self, session_id: str) -> None:
         """Drop the session (unknown sessions are fine)."""
+        ...
+
+    async def close_sessions(self, session_ids: list[str], records: bool = True) -> ClosedSessions:
+        """Finalize and drop every session in one call; with ``records`` their records come back
+        (each as ``finalize`` returns it). Unknown sessions are listed, not an error."""
         ...
 
     def agent_base_url(self, session_id: str) -> str:
@@ -101,8 +132,11 @@ def _detail(body: Any) -> dict[str, Any]:
 
 
 def proxy_error(status: int, body: Any, session_id: str | None = None) -> TrajectoryFailed:
-    """Map a non-2xx proxy response to a ``TrajectoryFailed`` (pure; used by the fake too)."""
+    """Map a non-2xx proxy response to a ``TrajectoryFailed`` (pure; used by the fake too), attributed to
+    the session the proxy's ``detail.session_id`` names, else to ``session_id``."""
     detail = _detail(body)
+    named = detail.get("session_id")  # the proxy names the session it refused (one choice of many, say)
+    session_id = named if isinstance(named, str) and named else session_id
     message = str(detail.get("message") or detail.get("detail") or (body if isinstance(body, str) else ""))[:500]
     code = detail.get("error") if isinstance(detail.get("error"), str) else None
     if status == 502 and code == UPSTREAM_ERROR and detail.get("engine_status") in ENGINE_DOWN_STATUSES:
@@ -123,6 +157,16 @@ def retry_after(header: str | None, cap_s: float = 5.0) -> float:
         return min(cap_s, max(0.05, float(header))) if header else 0.5
     except ValueError:
         return 0.5
+
+
+def chat_replies(body: Any, session_ids: list[str]) -> list[str]:
+    """The n assistant texts of a chat completion with n choices, by choice index; raises ``TrajectoryFailed``."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or len(choices) != len(session_ids):
+        raise TrajectoryFailed("invalid_proxy_response", f"expected {len(session_ids)} choices",
+                               session_id=session_ids[0])
+    ordered = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+    return [chat_reply({"choices": [c]}, sid) for c, sid in zip(ordered, session_ids, strict=True)]
 
 
 def chat_reply(body: Any, session_id: str) -> str:
@@ -180,8 +224,21 @@ class HttpProxyClient(SessionCalls):
         body = await self._request("POST", "/v1/chat/completions", session_id, payload, {"X-Session-Id": session_id})
         return chat_reply(body, session_id)
 
+    async def chat_many(self, session_ids: list[str], messages: ChatMessages, max_tokens: int,
+                        temperature: float) -> list[str]:
+        payload = {"model": "policy", "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                   "n": len(session_ids)}
+        body = await self._request("POST", "/v1/chat/completions", session_ids[0], payload,
+                                   {"X-Session-Ids": ",".join(session_ids)})
+        return chat_replies(body, session_ids)
+
     async def _send(self, method: str, path: str, session_id: str) -> Any:
         return await self._request(method, path, session_id)  # DELETE may answer with an empty body: None
+
+    async def close_sessions(self, session_ids: list[str], records: bool = True) -> ClosedSessions:
+        body = await self._request("POST", CLOSE_PATH, session_ids[0],
+                                   {"session_ids": session_ids, "records": records})
+        return closed_sessions(body, session_ids[0])
 
     async def finalize(self, session_id: str) -> dict[str, Any]:
         body = await self._send("POST", session_path(session_id, "/finalize"), session_id)

@@ -2,10 +2,13 @@
 
 Invariants:
 * each trajectory has its own proxy session ``{group_id}-a{attempt}-s{i}-{uuid}``;
+* white-box episodes of a group start from the same messages, so their first turn is one proxy call
+  with a choice per session (``chat_many``); later turns differ and go one call per trajectory;
 * the first trajectory failure cancels its siblings and fails the group (``GroupFailed``) with
   that failure — never a half group;
-* every session the attempt opened is deleted on the way out (success, failure or cancellation),
-  so the proxy never keeps an orphan until its TTL;
+* once every trajectory is done, one ``close_sessions`` call finalizes, reads and drops all of the
+  attempt's sessions (not three calls per trajectory); an attempt that fails or is cancelled before
+  that drops them in one call on the way out, so the proxy never keeps an orphan until its TTL;
 * a trajectory that runs longer than ``trajectory_timeout_s`` fails with ``trajectory_timeout``.
 No Redis here; the worker shell decides what a result or a failure means for the streams.
 """
@@ -20,12 +23,12 @@ from collections.abc import Callable
 from services.rollout_worker.agents import run_blackbox, run_whitebox
 from services.rollout_worker.assembly import TrajectoryResult, completed_group, finalize_samples, session_id
 from services.rollout_worker.errors import TrajectoryFailed
-from services.rollout_worker.proxy_client import ProxyClient
-from shared.codes import INVALID_PROMPT_GROUP, TRAJECTORY_TIMEOUT
+from services.rollout_worker.proxy_client import ClosedSessions, ProxyClient
+from shared.codes import INVALID_PROMPT_GROUP, TRAJECTORY_TIMEOUT, UNKNOWN_SESSION
 from shared.config import RolloutConfig
 from shared.errors import UnknownTask
 from shared.schemas import PromptGroup, RolloutGroup
-from shared.tasks import InvalidReference, Task, get_task
+from shared.tasks import Episode, InvalidReference, Task, get_task
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +64,63 @@ class GroupRunner:
             raise TrajectoryFailed(INVALID_PROMPT_GROUP, str(exc), retryable=False) from exc
         return task
 
-    async def _trajectory(self, group: PromptGroup, task: Task, sid: str) -> TrajectoryResult:
+    def _start(self, group: PromptGroup, task: Task, sid: str) -> Episode:
         try:
-            episode = task.start(group.prompt, group.reference)
+            return task.start(group.prompt, group.reference)
         except InvalidReference as exc:
             raise TrajectoryFailed(INVALID_PROMPT_GROUP, str(exc), retryable=False, session_id=sid) from exc
+
+    async def _first_turns(self, group: PromptGroup, task: Task, sids: list[str], deadline: float) -> list[Episode]:
+        """White-box episodes of a group start from the same messages: their first model call is one
+        proxy call with a choice per session (``chat_many``). Each episode has taken that turn on return."""
+        episodes = [self._start(group, task, sid) for sid in sids]
+        first = episodes[0].messages()
+        if any(e.done or e.messages() != first for e in episodes):
+            return episodes  # nothing shared to ask for: each trajectory starts on its own
+        try:
+            async with asyncio.timeout_at(deadline):
+                replies = await self.proxy.chat_many(sids, first, self.cfg.max_new_tokens or task.max_new_tokens,
+                                                     self.cfg.temperature)
+        except TimeoutError as exc:
+            raise TrajectoryFailed(TRAJECTORY_TIMEOUT, f"not done after {self.cfg.trajectory_timeout_s}s",
+                                   session_id=sids[0]) from exc
+        for episode, reply in zip(episodes, replies, strict=True):
+            episode.step(reply)
+        return episodes
+
+    async def _trajectory(self, group: PromptGroup, task: Task, sid: str, deadline: float,
+                          episode: Episode | None = None) -> Episode:
+        """Drive one episode (a started one: from where it is) to its end in session ``sid``, by
+        ``deadline`` (event-loop time); its record is read when the group closes."""
+        episode = self._start(group, task, sid) if episode is None else episode
         max_new = self.cfg.max_new_tokens or task.max_new_tokens
         command = self.agent_for(group.task)
         try:
-            async with asyncio.timeout(self.cfg.trajectory_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 if command is None:
                     await run_whitebox(self.proxy, sid, episode, max_new, self.cfg.temperature)
                 else:
                     await run_blackbox(command, self.proxy, sid, group.task, episode, max_new, self.cfg.temperature,
                                        self.cfg.agent_env, self.cfg.agent_uid)
-                record = await self.proxy.finalize(sid)
         except TimeoutError as exc:
             raise TrajectoryFailed(TRAJECTORY_TIMEOUT, f"not done after {self.cfg.trajectory_timeout_s}s",
                                    session_id=sid) from exc
         except TrajectoryFailed as exc:
             raise exc.at(sid) from None
-        reward = float(episode.reward())
-        samples = finalize_samples(sid, record.get("samples"), reward)
-        return TrajectoryResult(sid, reward, bool(episode.correct()), episode.turns, samples)
+        return episode
+
+    @staticmethod
+    def _score(sids: list[str], episodes: list[Episode], closed: ClosedSessions) -> list[TrajectoryResult]:
+        """Each episode's reward placed on the samples its session recorded."""
+        results = []
+        for sid, episode in zip(sids, episodes, strict=True):
+            record = closed.records.get(sid)
+            if record is None:
+                raise TrajectoryFailed(UNKNOWN_SESSION, "the proxy no longer knows this session", session_id=sid)
+            reward = float(episode.reward())
+            samples = finalize_samples(sid, record.get("samples"), reward)
+            results.append(TrajectoryResult(sid, reward, bool(episode.correct()), episode.turns, samples))
+        return results
 
     async def run(self, group: PromptGroup) -> RolloutGroup:
         """Roll out every trajectory of ``group``; returns the completed group or raises ``GroupFailed``."""
@@ -93,8 +130,19 @@ class GroupRunner:
         except TrajectoryFailed as exc:
             raise GroupFailed(exc, started) from None
         sids = [session_id(group, i) for i in range(group.n_samples)]
-        jobs = [asyncio.create_task(self._trajectory(group, task, sid), name=sid) for sid in sids]
+        deadline = asyncio.get_running_loop().time() + self.cfg.trajectory_timeout_s
+        jobs: list[asyncio.Task[Episode]] = []
+        dropped = False  # the proxy closed every session of this attempt
         try:
+            started_episodes: list[Episode | None] = [None] * len(sids)
+            if self.agent_for(group.task) is None:
+                try:
+                    started_episodes = list(await self._first_turns(group, task, sids, deadline))
+                except TrajectoryFailed as exc:
+                    log.warning("group failed group_id=%s attempt=%d error=%s", group.group_id, group.attempt, exc.text)
+                    raise GroupFailed(exc, started) from exc
+            jobs = [asyncio.create_task(self._trajectory(group, task, sid, deadline, ep), name=sid)
+                    for sid, ep in zip(sids, started_episodes, strict=True)]
             done, pending = await asyncio.wait(jobs, return_when=asyncio.FIRST_EXCEPTION)
             failed = [j for j in jobs if j in done and j.exception() is not None]
             if failed:
@@ -107,24 +155,28 @@ class GroupRunner:
                     raise GroupFailed(first, started) from first
                 assert first is not None
                 raise first  # a bug, not a trajectory failure: the worker's guard handles it
-            results = [j.result() for j in jobs]
+            episodes = [j.result() for j in jobs]
+            try:
+                closed = await self.proxy.close_sessions(sids)  # one call for the group: finalize, read, drop
+                dropped = True
+                results = self._score(sids, episodes, closed)
+            except TrajectoryFailed as exc:
+                log.warning("group failed group_id=%s attempt=%d error=%s", group.group_id, group.attempt, exc.text)
+                raise GroupFailed(exc, started) from exc
         finally:
             for j in jobs:
                 j.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)  # no request may outlive its session
-            await self._cleanup(group, sids)
+            if not dropped:
+                await self._cleanup(group, sids)
         agent = "blackbox" if self.agent_for(group.task) else "whitebox"
         return completed_group(group, results, self.consumer, started, self.clock(), agent)
 
     async def _cleanup(self, group: PromptGroup, sids: list[str]) -> None:
-        """Delete every session of the attempt (best effort, bounded in time)."""
-        outcomes = asyncio.gather(*(self.proxy.delete_session(s) for s in sids), return_exceptions=True)
+        """Drop every session of a failed attempt in one call (best effort, bounded in time)."""
         try:
-            results = await asyncio.wait_for(outcomes, self.cfg.session_cleanup_timeout_s)
+            await asyncio.wait_for(self.proxy.close_sessions(sids, records=False), self.cfg.session_cleanup_timeout_s)
         except TimeoutError:
             log.warning("session cleanup timed out group_id=%s attempt=%d", group.group_id, group.attempt)
-            return
-        for sid, res in zip(sids, results, strict=True):
-            if isinstance(res, BaseException):
-                log.warning("session delete failed group_id=%s attempt=%d session_id=%s: %s",
-                            group.group_id, group.attempt, sid, res)
+        except TrajectoryFailed as exc:
+            log.warning("session cleanup failed group_id=%s attempt=%d: %s", group.group_id, group.attempt, exc.text)

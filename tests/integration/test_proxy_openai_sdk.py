@@ -100,6 +100,20 @@ def test_openai_sdk_chat_tools_logprobs_stop_and_errors(proxy: ProxyThread, engi
     assert "response_format" in err.value.message
 
 
+def test_openai_sdk_n_choices_land_one_per_named_session(proxy: ProxyThread) -> None:
+    c = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0, timeout=120)
+    out = c.chat.completions.create(model="m", messages=MSG, n=3, max_tokens=5, temperature=1.0,
+                                    extra_body={"ignore_eos": True}, extra_headers={"X-Session-Ids": "n-0,n-1,n-2"})
+    assert [ch.index for ch in out.choices] == [0, 1, 2] and out.usage is not None
+    assert out.usage.completion_tokens == 15
+    for i, choice in enumerate(out.choices):
+        sample = httpx.get(f"{proxy.url}/v1/sessions/n-{i}").json()["samples"][-1]
+        assert sum(sample["loss_mask"]) == 5 and isinstance(choice.message.content, str)
+    with pytest.raises(openai.BadRequestError) as err:  # n > 1 with no session per choice
+        c.chat.completions.create(model="m", messages=MSG, n=2, max_tokens=5)
+    assert err.value.code == "unsupported_parameter" and err.value.param == "n"
+
+
 def test_openai_sdk_stream_arrives_as_tokens_are_produced(proxy: ProxyThread) -> None:
     c = client(proxy, "sdk-stream")
     start = time.monotonic()

@@ -111,6 +111,102 @@ def test_sessions_finalize_is_idempotent_then_refuses_turns_and_delete_frees() -
     run_proxy(t)
 
 
+def test_n_choices_are_generated_and_recorded_one_per_named_session() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "n": 3, "seed": 7, "max_tokens": 20},
+                         headers={"X-Session-Ids": "g-s0, g-s1,g-s2"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [ch["index"] for ch in body["choices"]] == [0, 1, 2] and r.headers["x-session-ids"] == "g-s0,g-s1,g-s2"
+        assert [d["session_id"] for d in body["dressage"]["choices"]] == ["g-s0", "g-s1", "g-s2"]
+        assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] > 0
+        for sid in ("g-s0", "g-s1", "g-s2"):
+            rec = (await c.get(f"/v1/sessions/{sid}")).json()
+            assert rec["turns"] == 1 and len(rec["samples"]) == 1 and sum(rec["samples"][0]["loss_mask"]) == 6
+        assert sorted(b["sampling_params"]["sampling_seed"] for b in eng.generate_bodies) == [7, 8, 9]  # distinct
+    run_proxy(t)
+
+
+@pytest.mark.parametrize(("body", "headers", "status", "field"), [
+    ({"messages": MSG, "n": 2}, {}, 400, "n"),  # n > 1 without a session per choice
+    ({"messages": MSG, "n": 3}, {"X-Session-Ids": "a,b"}, 422, "n"),
+    ({"messages": MSG}, {"X-Session-Ids": "a,b"}, 422, "n"),
+    ({"messages": MSG, "n": 2}, {"X-Session-Ids": "a,a"}, 422, "X-Session-Ids"),
+    ({"messages": MSG, "n": 2}, {"X-Session-Ids": "a,bad id"}, 422, "X-Session-Ids"),
+    ({"messages": MSG, "n": 2}, {"X-Session-Ids": "a,b", "X-Session-Id": "a"}, 422, "X-Session-Ids"),
+    ({"messages": MSG, "n": 2, "stream": True}, {"X-Session-Ids": "a,b"}, 400, "stream"),
+    ({"messages": MSG, "n": 2, "response_format": {"type": "json_object"}}, {"X-Session-Ids": "a,b"}, 400,
+     "response_format"),
+])
+def test_n_choices_refuse_what_they_cannot_honour_naming_the_field(body: dict[str, Any], headers: dict[str, str],
+                                                                   status: int, field: str) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        r = await c.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == status and field in json.dumps(detail(r)), r.text
+        assert len(rt.sessions) == 0 and not eng.generate_bodies  # refused before any compute
+    run_proxy(t)
+
+
+def test_n_choices_are_all_or_nothing_and_the_refused_session_is_named() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        await c.post("/v1/chat/completions", json={"messages": MSG}, headers={"X-Session-Id": "g-s1"})
+        await c.post("/v1/sessions/g-s1/finalize")
+        r = await c.post("/v1/chat/completions", json={"messages": MSG, "n": 2},
+                         headers={"X-Session-Ids": "g-s0,g-s1"})
+        assert r.status_code == 409 and detail(r)["error"] == "session_conflict"
+        assert detail(r)["session_id"] == "g-s1"
+        assert rt.sessions.get("g-s0").turns == 1  # the choice that ran stays recorded (the caller drops it)
+    run_proxy(t)
+
+
+def test_sessions_close_finalizes_reads_and_drops_a_group_in_one_call() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        for sid in ("g-s0", "g-s1"):
+            assert (await c.post("/v1/chat/completions", json={"messages": MSG},
+                                 headers={"X-Session-Id": sid})).status_code == 200
+        single = (await c.get("/v1/sessions/g-s0")).json()  # what finalize would answer, before the close
+        r = await c.post("/v1/sessions/close", json={"session_ids": ["g-s0", "never-opened", "g-s1"]})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["closed"] == ["g-s0", "g-s1"] and body["missing"] == ["never-opened"]
+        assert body["records"]["g-s0"] == {**single, "finalized": True}
+        assert [s["traj_id"] for s in body["records"]["g-s1"]["samples"]] == ["g-s1"]
+        assert len(rt.sessions) == 0 and (await c.get("/v1/sessions/g-s0")).status_code == 404
+        # dropping only, and a second close of the same ids finds nothing
+        await c.post("/v1/chat/completions", json={"messages": MSG}, headers={"X-Session-Id": "g-s2"})
+        r = await c.post("/v1/sessions/close", json={"session_ids": ["g-s2", "g-s0"], "records": False})
+        assert r.json() == {"closed": ["g-s2"], "missing": ["g-s0"], "records": {}} and len(rt.sessions) == 0
+    run_proxy(t)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"session_ids": []}, "session_ids"),
+    ({"session_ids": ["a", "a"]}, "session_ids"),
+    ({"session_ids": ["ok", "bad id"]}, "session_ids"),
+    ({"session_ids": ["a"], "recrods": False}, "recrods"),
+    ({}, "session_ids"),
+])
+def test_sessions_close_refuses_a_bad_body_naming_the_field(body: dict[str, Any], field: str) -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        await c.post("/v1/chat/completions", json={"messages": MSG}, headers={"X-Session-Id": "a"})
+        r = await c.post("/v1/sessions/close", json=body)
+        assert r.status_code == 422 and detail(r)["field"] == field, r.text
+        assert len(rt.sessions) == 1  # nothing closed
+    run_proxy(t)
+
+
+def test_sessions_close_records_a_running_turn_first() -> None:
+    async def t(c: httpx.AsyncClient, rt: ProxyRuntime, eng: FakeEngine) -> None:
+        turn = asyncio.ensure_future(c.post("/v1/chat/completions", json={"messages": MSG},
+                                            headers={"X-Session-Id": "slow"}))
+        while len(rt.sessions) == 0:
+            await asyncio.sleep(0.01)
+        closed = (await c.post("/v1/sessions/close", json={"session_ids": ["slow"]})).json()
+        assert (await turn).status_code == 200
+        assert closed["closed"] == ["slow"] and len(closed["records"]["slow"]["samples"]) == 1
+    run_proxy(t, engine=FakeEngine("a", step_s=0.03, stop_after=6))
+
+
 def test_bearer_auth_is_required_except_for_health_and_the_key_is_never_echoed(
         caplog: pytest.LogCaptureFixture) -> None:
     key = "s3cret-key-value"

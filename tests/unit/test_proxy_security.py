@@ -77,6 +77,7 @@ def test_session_token_reaches_only_its_own_session() -> None:
             ("POST", "/v1/generate", {"input_ids": [1], "session_id": "traj-b"}, {}),
             ("GET", "/v1/sessions/traj-b", None, {}), ("GET", "/v1/sessions/traj-a", None, {}),
             ("DELETE", "/v1/sessions/traj-b", None, {}), ("POST", "/v1/sessions/traj-b/finalize", None, {}),
+            ("POST", "/v1/sessions/close", {"session_ids": ["traj-b"]}, {}),
             ("POST", "/v1/rollout/pause", {}, {}), ("GET", "/metrics", None, {}),
         ]
         for method, path, body, extra in refused:
@@ -100,6 +101,8 @@ def test_sessions_are_bound_to_their_creator() -> None:
                              ("POST", "/v1/sessions/legacy/finalize")):
             r = await c.request(method, path, headers=bearer(AGENT))
             assert r.status_code == 404, (method, path)
+        r = await c.post("/v1/sessions/close", json={"session_ids": ["legacy"]}, headers=bearer(AGENT))
+        assert r.status_code == 200 and r.json()["missing"] == ["legacy"] and rt.sessions.get("legacy")  # not dropped
         r = await c.post("/s/legacy/v1/chat/completions", json={"messages": MSG}, headers=bearer(AGENT))
         assert r.status_code == 404 and rt.sessions.get("legacy").turns == 0
         assert (await c.get("/v1/sessions/legacy", headers=bearer(OPERATOR))).status_code == 200

@@ -343,12 +343,19 @@ class _DownThenUp(FakeProxyClient):
         self.down, self.code = down, code
         self.attempts_seen: list[str] = []
 
-    async def chat(self, session_id: str, messages: Any, max_tokens: int, temperature: float) -> str:
+    def _gate(self, session_id: str) -> None:
         self.attempts_seen.append(session_id)
         if self.down > 0:
             self.down -= 1
             raise TrajectoryFailed(self.code, "upstream down", retryable=True)
+
+    async def chat(self, session_id: str, messages: Any, max_tokens: int, temperature: float) -> str:
+        self._gate(session_id)
         return await super().chat(session_id, messages, max_tokens, temperature)
+
+    async def chat_many(self, session_ids: list[str], messages: Any, max_tokens: int, temperature: float) -> list[str]:
+        self._gate(session_ids[0])
+        return await super().chat_many(session_ids, messages, max_tokens, temperature)
 
 
 def down_worker(r: redis.Redis, keys: Keys, proxy: FakeProxyClient, **cfg: Any) -> RolloutWorker:

@@ -12,7 +12,13 @@ import pytest
 
 from services.rollout_worker.errors import TrajectoryFailed
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient
-from services.rollout_worker.proxy_client import HttpProxyClient, ProxyClient, proxy_error
+from services.rollout_worker.proxy_client import (
+    ClosedSessions,
+    HttpProxyClient,
+    ProxyClient,
+    closed_sessions,
+    proxy_error,
+)
 from shared.codes import STALENESS_EXCEEDED
 
 MSGS = [{"role": "user", "content": "reverse 12"}]
@@ -112,6 +118,30 @@ def test_delete_drops_the_session(kind: str) -> None:
 
     run(go)
     assert fake.sessions == {} and fake.deleted == ["a/b c"]
+
+
+@CLIENTS
+def test_close_sessions_returns_records_and_missing_ids_in_one_call(kind: str) -> None:
+    fake = FakeProxy()
+    client = make_client(kind, fake)
+
+    async def go() -> tuple[ClosedSessions, ClosedSessions]:
+        await client.chat("g-s0", MSGS, 8, 1.0)
+        await client.chat("g-s1", MSGS, 8, 1.0)
+        first = await client.close_sessions(["g-s0", "g-s1", "gone"])
+        return first, await client.close_sessions(["g-s0"], records=False)
+
+    first, again = run(go)
+    assert sorted(first.records) == ["g-s0", "g-s1"] and first.missing == ["gone"]
+    assert first.records["g-s1"]["finalized"] is True and len(first.records["g-s1"]["samples"]) == 1
+    assert again.records == {} and again.missing == ["g-s0"] and fake.sessions == {}
+    assert fake.closes == [["g-s0", "g-s1", "gone"], ["g-s0"]]
+
+
+def test_a_close_answer_without_records_is_an_invalid_proxy_response() -> None:
+    with pytest.raises(TrajectoryFailed) as info:
+        closed_sessions({"closed": []}, "g-s0")
+    assert info.value.code == "invalid_proxy_response"
 
 
 @CLIENTS

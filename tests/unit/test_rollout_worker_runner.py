@@ -15,7 +15,7 @@ import pytest
 
 from services.rollout_worker.agents import agent_env, agent_turns, check_agent_command, parse_agent_output
 from services.rollout_worker.fake_proxy import FakeProxy, FakeProxyClient, serve
-from services.rollout_worker.proxy_client import HttpProxyClient, ProxyClient
+from services.rollout_worker.proxy_client import ClosedSessions, HttpProxyClient, ProxyClient
 from services.rollout_worker.runner import GroupFailed, GroupRunner
 from shared.codes import STALENESS_EXCEEDED
 from shared.config import RolloutConfig
@@ -62,6 +62,29 @@ def test_trajectories_run_concurrently_and_form_one_completed_group() -> None:
     assert all(s.reward == 1.0 and s.end_version == "5" for s in rg.samples)
     assert all(sid.startswith("g1-a0-s") for sid in rg.meta["sessions"])
     assert sorted(fake.deleted) == sorted(rg.meta["sessions"]) and fake.sessions == {}
+    assert fake.closes == [rg.meta["sessions"]]  # one proxy call closes the whole group
+    assert [sid for sid, _ in fake.calls] == rg.meta["sessions"]  # one call for the shared first turn: a choice each
+
+
+def test_a_failing_shared_first_turn_fails_the_group_and_drops_every_session() -> None:
+    fake = FakeProxy(reply=solve, fail=lambda sid, i: STALENESS_EXCEEDED if "-s1-" in sid else None)
+    gf = failure(FakeProxyClient(fake), group(n_samples=3))
+    assert gf.failure.code == STALENESS_EXCEEDED and "-s1-" in (gf.failure.session_id or "")
+    assert len(fake.closes) == 1 and len(fake.deleted) == 3 and fake.sessions == {}
+
+
+def test_a_session_the_proxy_lost_fails_the_group_and_is_not_closed_twice() -> None:
+    fake = FakeProxy(reply=solve)
+
+    class Forgetful(FakeProxyClient):
+        async def close_sessions(self, session_ids: list[str], records: bool = True) -> ClosedSessions:
+            with fake._lock:
+                fake.sessions.pop(session_ids[1])  # expired between its last turn and the close
+            return await super().close_sessions(session_ids, records)
+
+    gf = failure(Forgetful(fake), group(n_samples=3))
+    assert gf.failure.code == "unknown_session" and (gf.failure.session_id or "").startswith("g1-a0-s1-")
+    assert len(fake.closes) == 1 and fake.sessions == {}
 
 
 def test_wrong_answers_get_partial_credit_from_the_verifier() -> None:
@@ -82,7 +105,9 @@ def test_multi_turn_task_loops_with_feedback_and_rewards_the_last_segment() -> N
 
 
 def test_one_failing_trajectory_fails_the_group_cancels_siblings_and_deletes_every_session() -> None:
-    fake = FakeProxy(reply=solve, fail=lambda sid, i: STALENESS_EXCEEDED if "-s2-" in sid else None)
+    # multi-turn: the shared first turn is one call, then s2 fails its second turn while its siblings are slow
+    g = group(task="guess", prompt="guess 20-34", reference={"low": 20, "high": 34, "secret": 21}, n_samples=4)
+    fake = FakeProxy(reply=solve, fail=lambda sid, i: STALENESS_EXCEEDED if "-s2-" in sid and i == 1 else None)
     client = FakeProxyClient(fake)
     slow = FakeProxyClient(fake)
 
@@ -93,7 +118,7 @@ def test_one_failing_trajectory_fails_the_group_cancels_siblings_and_deletes_eve
 
     slow.chat = chat  # type: ignore[method-assign,assignment]  # a slow stand-in for the proxy call
     t0 = time.monotonic()
-    gf = failure(slow, group(n_samples=4))
+    gf = failure(slow, g)
     assert time.monotonic() - t0 < 2
     assert gf.failure.code == STALENESS_EXCEEDED and "-s2-" in (gf.failure.session_id or "")
     assert len(set(fake.deleted)) == 4 and fake.sessions == {}
