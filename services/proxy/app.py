@@ -12,7 +12,6 @@ fresh ``anon-…`` id is used and returned in the ``X-Session-Id`` response head
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -61,7 +60,7 @@ from services.proxy.schemas import (
     refuse_unsupported,
 )
 from services.proxy.sessions import Session, check_session_id
-from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, run_turn
+from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, run_turn, run_turns
 from shared.edge import BadJson, loads_json
 
 log = logging.getLogger(__name__)
@@ -183,8 +182,7 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
             raise UnsupportedParameter("stream", "n > 1 choices are not streamed")
         partial = _partial(request, rt.cfg.partial_rollout)
         plans = [plan if plan.seed is None else replace(plan, seed=(plan.seed + i) % (1 << 63)) for i in range(len(sids))]
-        done = await asyncio.gather(*(run_turn(rt, sid, partial, p) for sid, p in zip(sids, plans, strict=True)),
-                                    return_exceptions=True)
+        done = await run_turns(rt, sids, partial, plans)
         for res in done:
             if isinstance(res, BaseException):
                 raise res

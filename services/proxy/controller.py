@@ -30,6 +30,12 @@ Invariants (asyncio, one event loop; no await between a check and the state chan
   versions and meet the same span checks) or finishes on its old weights (non-partial: it does
   not opt in, so the engine swaps after it). Such a rid is judged stale against the target it
   was sent under (``_Active.floor``), not the newer one;
+* n choices at one prompt (``generate_many``, a GRPO group's first turn): every member passes the
+  same admission and version checks as a ``generate`` would, then their first chunks go to one
+  engine as one batched ``/generate`` with a rid each (so a pause or a stop aborts each alone);
+  each member then goes on alone from its chunk. A member whose chunk came back stale, or all of
+  them when the batch failed (an engine down, an error answer: their rids are aborted first), are
+  sent again one by one through ``_dispatch`` and its failover;
 * many engines (``balancer``): a session's chunks go to its sticky engine, a new session to the
   least loaded one. An engine that refuses a connection, or drops one in the middle of a request
   we did not abort, is marked *down*: nothing is routed to it, and the chunk it was running is
@@ -56,6 +62,7 @@ from services.proxy.errors import (
     ProxyError,
     SpanExceeded,
     TrajectoryVersionChanged,
+    UpstreamError,
     UpstreamUnavailable,
 )
 from services.proxy.metrics import ProxyMetrics
@@ -371,7 +378,7 @@ class GenerationController:
     async def generate(self, session_id: str, earlier: list[str], input_ids: list[int], max_new_tokens: int,
                        sampling: dict[str, Any], partial: bool, sink: TokenSink | None = None,
                        request_fields: dict[str, Any] | None = None,
-                       admitted: Callable[[], None] | None = None) -> Generation:
+                       admitted: Callable[[], None] | None = None, first: Chunk | None = None) -> Generation:
         """Run one request to completion across preemptions; raises a ProxyError when refused.
 
         ``sink`` sees every token as the engines produce it (streamed when ``sink.stream``),
@@ -380,7 +387,8 @@ class GenerationController:
         ``request_fields`` are extra top-level ``/generate`` fields (``top_logprobs_num``).
         ``admitted`` (idempotent) is called before the first wait for a resume or once the first
         dispatch passed its version check: a streamed response opens then, and later refusals
-        reach the client in-band."""
+        reach the client in-band. ``first``: the first chunk, already dispatched and learned
+        (``generate_many``'s batched request); the generation goes on from it."""
         gen = Generation()
         streamed = sink is not None and sink.stream
 
@@ -397,34 +405,14 @@ class GenerationController:
                 self._spawn(self.client.abort(active.url, active.rid))
 
         while True:
-            if not self.runnable(session_id):
-                self._suspended += bool(gen.chunks)
-                self.metrics.suspended.set(self._suspended)
-                if admitted is not None:
-                    admitted()  # a wait for a resume can be long: the client hears from us first
-                try:
-                    await self._wait_runnable(session_id)
-                finally:
-                    self._suspended -= bool(gen.chunks)
-                    self.metrics.suspended.set(self._suspended)
-                continue  # re-check: another pause may have started while we woke up
-            if self.current_version is not None:  # before any compute: the version the engines run now
-                self.check(session_id, [*earlier, *gen.versions], [self.current_version], partial)
-            if admitted is not None:
-                admitted()
-            if gen.chunks:
-                self.metrics.resumes.inc()
-            remaining = max_new_tokens - len(gen.output_ids)
-            body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
-                    "sampling_params": {**sampling, "max_new_tokens": remaining}, **(request_fields or {})}
-            # Engine opt-in: runs across a swap, versions per token. Live updates never abort, so a
-            # non-partial chunk instead finishes on the weights it started on (the swap waits for it).
-            body["continue_across_weight_updates"] = partial or not self.live
-            if streamed:
-                body["stream"] = True
-            chunk, stopped = await self._dispatch(session_id, body, feed if streamed else None)
-            if chunk is None:
-                continue  # answered on weights older than the published ones: discarded, sent again
+            if first is not None:  # dispatched with its siblings (generate_many)
+                chunk, stopped, first = first, False, None
+            else:
+                sent, stopped = await self._next_chunk(session_id, earlier, gen, input_ids, max_new_tokens, sampling,
+                                                       partial, streamed, feed, request_fields, admitted)
+                if sent is None:
+                    continue  # answered on weights older than the published ones: discarded, sent again
+                chunk = sent
             self.check(session_id, [*earlier, *gen.versions], chunk.versions, partial)
             if sink is not None and not streamed:
                 stopped = sink.feed(chunk.output_ids, chunk.logprobs, chunk.top_logprobs or None)
@@ -456,6 +444,112 @@ class GenerationController:
                 gen.finish_reason = "length"
                 return gen
             log.info("preempted session_id=%s tokens_so_far=%d; will resume", session_id, len(gen.output_ids))
+
+    async def _admit(self, session_id: str, earlier: list[str], gen: Generation, partial: bool,
+                     admitted: Callable[[], None] | None) -> None:
+        """Wait until ``session_id`` may run, then check the version the engines run now (before any compute)."""
+        while not self.runnable(session_id):  # re-checked: another pause may start while we wake up
+            self._suspended += bool(gen.chunks)
+            self.metrics.suspended.set(self._suspended)
+            if admitted is not None:
+                admitted()  # a wait for a resume can be long: the client hears from us first
+            try:
+                await self._wait_runnable(session_id)
+            finally:
+                self._suspended -= bool(gen.chunks)
+                self.metrics.suspended.set(self._suspended)
+        if self.current_version is not None:
+            self.check(session_id, [*earlier, *gen.versions], [self.current_version], partial)
+        if admitted is not None:
+            admitted()
+
+    def _body(self, input_ids: list[int], gen: Generation, max_new_tokens: int, sampling: dict[str, Any],
+              partial: bool, request_fields: dict[str, Any] | None) -> dict[str, Any]:
+        """The ``/generate`` body of the next chunk: the prompt plus what was generated so far."""
+        remaining = max_new_tokens - len(gen.output_ids)
+        body = {"input_ids": [*input_ids, *gen.output_ids], "return_logprob": True, "logprob_start_len": -1,
+                "sampling_params": {**sampling, "max_new_tokens": remaining}, **(request_fields or {})}
+        # Engine opt-in: runs across a swap, versions per token. Live updates never abort, so a
+        # non-partial chunk instead finishes on the weights it started on (the swap waits for it).
+        body["continue_across_weight_updates"] = partial or not self.live
+        return body
+
+    async def _next_chunk(self, session_id: str, earlier: list[str], gen: Generation, input_ids: list[int],
+                          max_new_tokens: int, sampling: dict[str, Any], partial: bool, streamed: bool,
+                          feed: Callable[[Chunk, _Active], None], request_fields: dict[str, Any] | None,
+                          admitted: Callable[[], None] | None) -> tuple[Chunk | None, bool]:
+        await self._admit(session_id, earlier, gen, partial, admitted)
+        if gen.chunks:
+            self.metrics.resumes.inc()
+        body = self._body(input_ids, gen, max_new_tokens, sampling, partial, request_fields)
+        if streamed:
+            body["stream"] = True
+        return await self._dispatch(session_id, body, feed if streamed else None)
+
+    async def generate_many(self, session_ids: list[str], earliers: list[list[str]], input_ids: list[int],
+                            max_new_tokens: int, samplings: list[dict[str, Any]], partial: bool,
+                            sinks: list[TokenSink | None], request_fields: dict[str, Any] | None = None,
+                            ) -> list[Generation | BaseException]:
+        """n generations of one prompt (a GRPO group's shared first turn): their first chunks go to one
+        engine as one batched ``/generate``, each then goes on alone as ``generate`` would (a resume
+        after a preemption, a stale answer sent again). Same checks as n ``generate`` calls; results
+        (or each one's refusal) in order. Streaming sinks are not batched: n ``generate`` calls."""
+        if any(s is not None and s.stream for s in sinks) or len(session_ids) < 2:
+            firsts: list[Chunk | None] = [None] * len(session_ids)
+        else:
+            for sid, earlier in zip(session_ids, earliers, strict=True):
+                await self._admit(sid, earlier, Generation(), partial, None)
+            bodies = [self._body(input_ids, Generation(), max_new_tokens, sp, partial, request_fields)
+                      for sp in samplings]
+            firsts = await self._dispatch_batch(session_ids, bodies)
+        return await asyncio.gather(*(
+            self.generate(sid, earlier, input_ids, max_new_tokens, sp, partial, sink, request_fields, first=first)
+            for sid, earlier, sp, sink, first in zip(session_ids, earliers, samplings, sinks, firsts, strict=True)),
+            return_exceptions=True)
+
+    async def _dispatch_batch(self, session_ids: list[str], bodies: list[dict[str, Any]]) -> list[Chunk | None]:
+        """Send n chunks as one batched request to one engine, each under its own rid (so a pause or
+        an abort reaches each alone). A chunk that comes back None is sent again alone: it answered on
+        stale weights, or the batch failed (an engine down or refusing it), and ``_dispatch`` knows
+        how to fail over."""
+        urls = [u for u in await self._wait_routable(session_ids[0]) if u not in self.down]
+        if not urls:
+            return [None] * len(session_ids)
+        url = urls[0]
+        actives = []
+        for sid in session_ids:
+            rid = f"dressage-{sid[:64]}-{uuid.uuid4().hex}"
+            actives.append(_Active(rid, sid, url, floor=self.target))
+            self._active[rid] = actives[-1]
+            self.balancer.started(url)
+        self.metrics.active.set(len(self._active))
+        batch = {**bodies[0], "input_ids": [b["input_ids"] for b in bodies], "rid": [a.rid for a in actives],
+                 "sampling_params": [b["sampling_params"] for b in bodies]}
+        try:
+            chunks = await self.client.generate_batch(url, batch, len(bodies))
+        except (UpstreamUnavailable, UpstreamError) as exc:
+            if not isinstance(exc, UpstreamUnavailable) or exc.extra.get("connected"):
+                for a in actives:  # it may be running them: free the engine before sending them again
+                    self._spawn(self.client.abort(url, a.rid))
+            log.warning("batched first chunks of %d sessions (%s...) failed on engine=%s: %s; sending each alone",
+                        len(session_ids), session_ids[0], url, exc.message)
+            return [None] * len(session_ids)
+        finally:
+            for a in actives:
+                self.balancer.finished(url)
+                del self._active[a.rid]
+                a.done.set()
+            self.metrics.active.set(len(self._active))
+        out: list[Chunk | None] = []
+        for a, chunk in zip(actives, chunks, strict=True):
+            a.finished = True
+            self.balancer.assign(a.session_id, url)
+            if self.learn(url, chunk.weight_version, a.floor):
+                out.append(chunk)
+            else:
+                self.metrics.stale_chunks.inc()
+                out.append(None)
+        return out
 
     async def _dispatch(self, session_id: str, body: dict[str, Any],
                         feed: Callable[[Chunk, _Active], None] | None = None) -> tuple[Chunk | None, bool]:

@@ -211,6 +211,17 @@ class EngineClient:
             raise UpstreamError(f"engine {self._name(url)} returned non-JSON")
         return parse_generate(data)
 
+    async def generate_batch(self, url: str, body: dict[str, Any], size: int) -> list[Chunk]:
+        """POST a batched ``{url}/generate`` (SGLang's list of prompts, one ``rid`` each); the engine
+        answers a JSON list, one response per prompt in order. Errors as ``generate``."""
+        status, data = await self._call("POST", url, "/generate", body, self._request_timeout)
+        if status >= 400:
+            raise UpstreamError(f"engine {self._name(url)} answered {status}", engine_status=status,
+                                engine_detail=_short(str(data)))
+        if not isinstance(data, list) or len(data) != size:
+            raise UpstreamError(f"engine {self._name(url)} answered a batch of {size} with no list of {size}")
+        return [parse_generate(item) for item in data]
+
     async def _generate_stream(self, url: str, body: dict[str, Any], on_delta: Callable[[Chunk], None]) -> Chunk:
         buffer, error = bytearray(), bytearray()
         total: Chunk | None = None

@@ -217,6 +217,37 @@ class ProxyRuntime:
         self.metrics.tokens.inc(len(gen.output_ids))
         return gen, seg
 
+    async def turn_many(self, session_ids: list[str], partial: bool, input_ids: list[int], max_new_tokens: int,
+                        samplings: list[dict[str, Any]], sinks: list[TokenSink | None],
+                        request_fields: dict[str, Any] | None = None) -> list[tuple[Generation, int] | BaseException]:
+        """``turn`` for n sessions at the same prompt (``GenerationController.generate_many``: one engine
+        request for their first chunks); each session is opened, locked and recorded as ``turn`` does it.
+        Results in order; a session refused is its exception (the others are recorded all the same)."""
+        with contextlib.ExitStack() as slots:
+            for _ in session_ids:
+                slots.enter_context(self.limit)
+            sessions = [self.sessions.open(sid, partial, principal=PRINCIPAL.get()) for sid in session_ids]
+            async with contextlib.AsyncExitStack() as locks:
+                for s in sorted(sessions, key=lambda x: x.session_id):  # one order: two such calls never deadlock
+                    await locks.enter_async_context(s.lock)
+                for s in sessions:
+                    if s.finalized:  # finalized while this turn waited for the lock
+                        raise SessionConflict(f"session {s.session_id!r} is finalized", session_id=s.session_id)
+                gens = await self.controller.generate_many(session_ids, [list(s.versions) for s in sessions],
+                                                           input_ids, max_new_tokens, samplings, partial, sinks,
+                                                           request_fields)
+                out: list[tuple[Generation, int] | BaseException] = []
+                for s, gen in zip(sessions, gens, strict=True):
+                    if isinstance(gen, BaseException):
+                        out.append(gen)
+                        continue
+                    out.append((gen, s.record(input_ids, gen.output_ids, gen.logprobs, gen.versions,
+                                              gen.finish_reason, gen.preempts)))
+                    s.touched = time.monotonic()
+                    self.metrics.version_span.observe(len(s.versions))
+                    self.metrics.tokens.inc(len(gen.output_ids))
+        return out
+
     def state(self) -> dict[str, Any]:
         return {**self.controller.state(), "partial_rollout": self.cfg.partial_rollout,
                 "in_flight_requests": self.limit.in_flight, "sessions": len(self.sessions),

@@ -144,6 +144,32 @@ async def run_turn(rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnP
     return await _execute(rt, session_id, partial, plan, prepared)
 
 
+async def run_turns(rt: ProxyRuntime, session_ids: list[str], partial: bool,
+                    plans: list[TurnPlan]) -> list[TurnResult | BaseException]:
+    """Whole turns of n sessions at the same messages (n choices): rendered once, their first chunks
+    in one engine request (``ProxyRuntime.turn_many``). Results in order; a refused one is its exception."""
+    prepared = await rt.off_loop(lambda: [prepare(rt, p) for p in plans])  # the prompt cache renders it once
+    ids, fields = prepared[0][0], prepared[0][3]
+    if any(p[0] != ids or p[3] != fields for p in prepared):  # cannot happen for one message list; stay exact
+        return list(await asyncio.gather(*(_execute(rt, sid, partial, plan, prep) for sid, plan, prep
+                                           in zip(session_ids, plans, prepared, strict=True)), return_exceptions=True))
+    done = await rt.turn_many(session_ids, partial, ids, plans[0].max_new_tokens, [p[2] for p in prepared],
+                              [p[1] for p in prepared], fields)
+    out: list[TurnResult | BaseException] = []
+    for sid, (_, output, _, _), res in zip(session_ids, prepared, done, strict=True):
+        if isinstance(res, BaseException):
+            out.append(res)
+            continue
+        gen, seg = res
+        output.finish()
+        if output.splitter.well_formed or output.splitter.malformed:
+            segment = rt.sessions.get(sid).segments[seg]
+            segment.tool_calls += output.splitter.well_formed
+            segment.malformed_tool_calls += output.splitter.malformed
+        out.append(TurnResult(gen, output, ids, seg, sid))
+    return out
+
+
 class LiveTurn:
     """A turn running in its own task, its events read as they are produced."""
 

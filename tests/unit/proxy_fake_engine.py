@@ -31,7 +31,8 @@ class FakeEngine:
         self.version = version
         self.step_s = step_s
         self.stop_after = stop_after  # emit a stop token after this many tokens (None: never)
-        self.generate_bodies: list[dict[str, Any]] = []
+        self.generate_bodies: list[dict[str, Any]] = []  # one per prompt (a batch's prompts each)
+        self.batch_sizes: list[int] = []  # prompts per batched /generate
         self.aborts: list[str] = []
         self.updates: list[dict[str, Any]] = []
         self.running: dict[str, asyncio.Event] = {}
@@ -47,6 +48,8 @@ class FakeEngine:
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
+        if body["input_ids"] and isinstance(body["input_ids"][0], list):  # SGLang's batch: a list of prompts
+            return await self._batch(body)
         self.generate_bodies.append(body)
         rid = body["rid"]
         if rid in self.running:
@@ -57,6 +60,21 @@ class FakeEngine:
         async for meta in self._run(body):  # noqa: B007  # the last item is the result
             pass
         return JSONResponse({"text": "", "output_ids": meta["output_ids"], "meta_info": meta["meta_info"]})
+
+    async def _batch(self, body: dict[str, Any]) -> Response:
+        """One response per prompt, in order (each under its own rid, abortable alone)."""
+        items = [{**body, "input_ids": ids, "rid": rid, "sampling_params": sp} for ids, rid, sp
+                 in zip(body["input_ids"], body["rid"], body["sampling_params"], strict=True)]
+        self.batch_sizes.append(len(items))
+        self.generate_bodies += items
+
+        async def one(item: dict[str, Any]) -> dict[str, Any]:
+            meta: dict[str, Any] = {}
+            async for meta in self._run(item):  # noqa: B007  # the last item is the result
+                pass
+            return {"text": "", "output_ids": meta["output_ids"], "meta_info": meta["meta_info"]}
+
+        return JSONResponse(list(await asyncio.gather(*(one(i) for i in items))))
 
     async def _sse(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """SGLang's streamed /generate: one event per token, cumulative output_ids and logprobs."""

@@ -124,6 +124,7 @@ def test_n_choices_are_generated_and_recorded_one_per_named_session() -> None:
             rec = (await c.get(f"/v1/sessions/{sid}")).json()
             assert rec["turns"] == 1 and len(rec["samples"]) == 1 and sum(rec["samples"][0]["loss_mask"]) == 6
         assert sorted(b["sampling_params"]["sampling_seed"] for b in eng.generate_bodies) == [7, 8, 9]  # distinct
+        assert eng.batch_sizes == [3]  # one engine request for the three first chunks
     run_proxy(t)
 
 
@@ -155,7 +156,7 @@ def test_n_choices_are_all_or_nothing_and_the_refused_session_is_named() -> None
                          headers={"X-Session-Ids": "g-s0,g-s1"})
         assert r.status_code == 409 and detail(r)["error"] == "session_conflict"
         assert detail(r)["session_id"] == "g-s1"
-        assert rt.sessions.get("g-s0").turns == 1  # the choice that ran stays recorded (the caller drops it)
+        assert rt.sessions.get("g-s0").turns == 0 and len(eng.generate_bodies) == 1  # refused before any compute
     run_proxy(t)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -249,3 +249,71 @@ def test_operator_resume_without_version_asks_the_engines_what_they_run() -> Non
 
     run(flow)
     assert ctl.current_version == "c"
+
+
+# -- generate_many: a group's first chunks in one engine request ----------------------------------
+
+SIDS = ["g-s0", "g-s1", "g-s2"]
+
+
+def many(ctl: GenerationController, max_new: int, partial: bool = True) -> Callable[[], Coroutine[Any, Any, Any]]:
+    return lambda: ctl.generate_many(SIDS, [[], [], []], [1, 2, 3], max_new, [SAMPLING] * 3, partial, [None] * 3)
+
+
+def test_generate_many_sends_one_batch_and_returns_each_generation_whole() -> None:
+    eng = FakeEngine("a")
+    ctl = make({E1: eng})
+    gens = run(many(ctl, 8))
+    assert eng.batch_sizes == [3] and len(eng.generate_bodies) == 3
+    assert len({b["rid"] for b in eng.generate_bodies}) == 3  # a rid each: aborted one by one
+    assert all(g.output_ids == [4, 5, 6, 7, 8, 9, 10, 11] and g.versions == ["a"] * 8 for g in gens)
+    assert ctl.state()["active_generations"] == 0 and ctl.balancer.snapshot()["engine-0"] == {"in_flight": 0, "engine_load": 0, "sticky_sessions": 3}
+
+
+def test_generate_many_members_preempted_by_an_update_each_resume_alone() -> None:
+    eng = FakeEngine("a", step_s=0.004)
+    ctl = make({E1: eng})
+
+    async def flow() -> Any:
+        task = asyncio.create_task(many(ctl, 60)())
+        await update_midway(ctl, eng, "b", after_tokens=9)
+        return await task
+
+    gens = run(flow)
+    assert eng.batch_sizes == [3] and len(eng.generate_bodies) == 6  # the batch, then three resumes alone
+    for gen in gens:
+        n_a = gen.versions.count("a")
+        assert len(gen.output_ids) == 60 and gen.preempts == 1 and 0 < n_a < 60
+        assert gen.versions == ["a"] * n_a + ["b"] * (60 - n_a)
+    resumes = eng.generate_bodies[3:]
+    assert all(b["input_ids"][:3] == [1, 2, 3] and not isinstance(b["input_ids"][0], list) for b in resumes)
+
+
+def test_generate_many_non_partial_members_fail_alone_when_preempted() -> None:
+    eng = FakeEngine("a", step_s=0.004)
+    ctl = make({E1: eng})
+
+    async def flow() -> Any:
+        task = asyncio.create_task(many(ctl, 60, partial=False)())
+        await update_midway(ctl, eng, "b", after_tokens=9)
+        return await task
+
+    assert all(isinstance(g, GenerationPreempted) for g in run(flow))
+
+
+def test_generate_many_falls_back_to_one_request_each_when_the_batch_fails() -> None:
+    e2 = FakeEngine("a")
+    ctl = make({E1: None, E2: e2})
+    ctl.balancer.assign(SIDS[0], E1)  # the batch goes to the engine that refuses connections
+    gens = run(many(ctl, 4))
+    assert all(len(g.output_ids) == 4 for g in gens)
+    assert e2.batch_sizes == [] and len(e2.generate_bodies) == 3  # sent again alone, failed over
+    assert ctl.state()["active_generations"] == 0
+
+
+def test_generate_many_refuses_before_any_compute_when_a_member_is_past_its_span() -> None:
+    eng = FakeEngine("b")
+    ctl = make({E1: eng}, max_preempts=0, current="b")
+    with pytest.raises(SpanExceeded):
+        run(lambda: ctl.generate_many(SIDS, [[], ["a"], []], [1, 2, 3], 4, [SAMPLING] * 3, True, [None] * 3))
+    assert eng.generate_bodies == []
