@@ -30,7 +30,7 @@ from services.proxy.guards import ConcurrencyLimit
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.promptcache import PromptCache
 from services.proxy.schemas import Limits
-from services.proxy.sessions import SessionStore
+from services.proxy.sessions import Session, SessionStore
 from services.proxy.updater import WeightUpdater
 from shared.config import ProxyConfig
 from shared.keys import Keys
@@ -210,12 +210,16 @@ class ProxyRuntime:
                 gen = await self.controller.generate(session_id, list(session.versions), input_ids,
                                                      max_new_tokens, sampling, partial, sink, request_fields,
                                                      admitted)
-                seg = session.record(input_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason,
-                                     gen.preempts)
-                session.touched = time.monotonic()
+                seg = self._record(session, input_ids, gen)
+        return gen, seg
+
+    def _record(self, session: Session, input_ids: list[int], gen: Generation) -> int:
+        """Record a generation that passed every check in its session; its segment index."""
+        seg = session.record(input_ids, gen.output_ids, gen.logprobs, gen.versions, gen.finish_reason, gen.preempts)
+        session.touched = time.monotonic()
         self.metrics.version_span.observe(len(session.versions))
         self.metrics.tokens.inc(len(gen.output_ids))
-        return gen, seg
+        return seg
 
     async def turn_many(self, session_ids: list[str], partial: bool, input_ids: list[int], max_new_tokens: int,
                         samplings: list[dict[str, Any]], sinks: list[TokenSink | None],
@@ -241,11 +245,7 @@ class ProxyRuntime:
                     if isinstance(gen, BaseException):
                         out.append(gen)
                         continue
-                    out.append((gen, s.record(input_ids, gen.output_ids, gen.logprobs, gen.versions,
-                                              gen.finish_reason, gen.preempts)))
-                    s.touched = time.monotonic()
-                    self.metrics.version_span.observe(len(s.versions))
-                    self.metrics.tokens.inc(len(gen.output_ids))
+                    out.append((gen, self._record(s, input_ids, gen)))
         return out
 
     def state(self) -> dict[str, Any]:

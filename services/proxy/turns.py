@@ -129,9 +129,15 @@ async def _execute(rt: ProxyRuntime, session_id: str, partial: bool, plan: TurnP
                    admitted: Callable[[], None] | None = None) -> TurnResult:
     ids, out, sampling, fields = prepared
     gen, seg = await rt.turn(session_id, partial, ids, plan.max_new_tokens, sampling, out, fields, admitted)
+    return _finish(rt, session_id, out, gen, seg, ids)
+
+
+def _finish(rt: ProxyRuntime, session_id: str, out: TurnOutput, gen: Generation, seg: int,
+            ids: list[int]) -> TurnResult:
+    """The recorded turn's result; call it with no await since the turn was recorded."""
     out.finish()  # flush held-back text and any open tool-call block
     if out.splitter.well_formed or out.splitter.malformed:  # the tool agent's training metric
-        segment = rt.sessions.get(session_id).segments[seg]  # no await since the turn was recorded
+        segment = rt.sessions.get(session_id).segments[seg]
         segment.tool_calls += out.splitter.well_formed
         segment.malformed_tool_calls += out.splitter.malformed
     return TurnResult(gen, out, ids, seg, session_id)
@@ -160,13 +166,7 @@ async def run_turns(rt: ProxyRuntime, session_ids: list[str], partial: bool,
         if isinstance(res, BaseException):
             out.append(res)
             continue
-        gen, seg = res
-        output.finish()
-        if output.splitter.well_formed or output.splitter.malformed:
-            segment = rt.sessions.get(sid).segments[seg]
-            segment.tool_calls += output.splitter.well_formed
-            segment.malformed_tool_calls += output.splitter.malformed
-        out.append(TurnResult(gen, output, ids, seg, sid))
+        out.append(_finish(rt, sid, output, *res, ids))
     return out
 
 
