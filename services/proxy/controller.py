@@ -507,6 +507,21 @@ class GenerationController:
             for sid, earlier, sp, sink, first in zip(session_ids, earliers, samplings, sinks, firsts, strict=True)),
             return_exceptions=True)
 
+    def _track(self, session_id: str, url: str) -> _Active:
+        """A fresh rid for a chunk sent to ``url``, registered (a pause sees it) before any await."""
+        rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
+        active = self._active[rid] = _Active(rid, session_id, url, floor=self.target)
+        self.metrics.active.set(len(self._active))
+        self.balancer.started(url)
+        return active
+
+    def _untrack(self, active: _Active) -> None:
+        """The chunk is back (or failed): no longer in flight, and a pause waiting on it may go on."""
+        self.balancer.finished(active.url)
+        del self._active[active.rid]
+        active.done.set()
+        self.metrics.active.set(len(self._active))
+
     async def _dispatch_batch(self, session_ids: list[str], bodies: list[dict[str, Any]]) -> list[Chunk | None]:
         """Send n chunks as one batched request to one engine, each under its own rid (so a pause or
         an abort reaches each alone). A chunk that comes back None is sent again alone: it answered on
@@ -516,13 +531,7 @@ class GenerationController:
         if not urls:
             return [None] * len(session_ids)
         url = urls[0]
-        actives = []
-        for sid in session_ids:
-            rid = f"dressage-{sid[:64]}-{uuid.uuid4().hex}"
-            actives.append(_Active(rid, sid, url, floor=self.target))
-            self._active[rid] = actives[-1]
-            self.balancer.started(url)
-        self.metrics.active.set(len(self._active))
+        actives = [self._track(sid, url) for sid in session_ids]
         batch = {**bodies[0], "input_ids": [b["input_ids"] for b in bodies], "rid": [a.rid for a in actives],
                  "sampling_params": [b["sampling_params"] for b in bodies]}
         try:
@@ -536,10 +545,7 @@ class GenerationController:
             return [None] * len(session_ids)
         finally:
             for a in actives:
-                self.balancer.finished(url)
-                del self._active[a.rid]
-                a.done.set()
-            self.metrics.active.set(len(self._active))
+                self._untrack(a)
         out: list[Chunk | None] = []
         for a, chunk in zip(actives, chunks, strict=True):
             a.finished = True
@@ -560,10 +566,8 @@ class GenerationController:
         and caught up) -- the caller sends the chunk again."""
         last: UpstreamUnavailable | None = None
         for url in await self._wait_routable(session_id):
-            rid = f"dressage-{session_id[:64]}-{uuid.uuid4().hex}"
-            active = self._active[rid] = _Active(rid, session_id, url, floor=self.target)
-            self.metrics.active.set(len(self._active))
-            self.balancer.started(url)
+            active = self._track(session_id, url)
+            rid = active.rid
             on_delta = None if feed is None else _bind(feed, active)
             try:
                 chunk = await self.client.generate(url, {**body, "rid": rid}, on_delta)
@@ -598,12 +602,9 @@ class GenerationController:
                 self.mark_down(url, "refused the connection (down or restarting)")
                 log.warning("engine unreachable session_id=%s engine=%s; trying next", session_id, url)
             finally:
-                self.balancer.finished(url)
                 if not active.finished and feed is not None:  # refused mid-stream or cancelled: free the engine
                     self._spawn(self.client.abort(url, rid))
-                del self._active[rid]
-                active.done.set()
-                self.metrics.active.set(len(self._active))
+                self._untrack(active)
         assert last is not None
         if self.target is not None and not self._routable(session_id):
             # Every engine refused and is held back now: the caller sends the chunk again, which waits
