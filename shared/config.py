@@ -298,6 +298,11 @@ class EvalConfig(Section):
     batch_size: int = Field(default=64, ge=1, le=4096)  # prompts decoded together (greedy)
     device: str = "cpu"  # where the eval worker loads the checkpoint
     data_root: str = "data"  # the eval worker refuses a job whose dataset resolves outside this directory
+    # true: `dressage up` runs no eval worker during the run; the versions' jobs wait in the queue (their
+    # checkpoints kept) and one burst eval worker runs them after the trainer's last step. Evaluation then
+    # takes no CPU from the run it measures (timing comparisons); time-to-accuracy still counts from each
+    # version's publication. Live readers (`dressage status`, accuracy stop rules) see no accuracy until then
+    defer: bool = False
 
 
 def _per_service(value: dict[str, int], low: int, high: int, what: str) -> dict[str, int]:

@@ -196,6 +196,17 @@ def _check_subset(where: str, chosen: list[str], available: list[str], baseline:
         raise SpecError(f"{where}: must include the baseline {baseline!r}")
 
 
+def _check_evaluation(where: str, stop: StopRule, every: int, defer: bool) -> None:
+    """An accuracy stop rule needs evaluation during the run; deferred evaluation (``eval.defer``) runs
+    only after the trainer's last step, which a run stopped from outside (``stop.seconds``) never takes."""
+    if stop.accuracy is not None and (every == 0 or defer):
+        raise SpecError(f"{where}: stop.accuracy needs evaluation during the run (eval.every_versions > 0 "
+                        f"and eval.defer false; got every_versions={every}, defer={str(defer).lower()})")
+    if defer and every > 0 and stop.steps is None:
+        raise SpecError(f"{where}: eval.defer evaluates after the trainer's last step: it needs a stop.steps "
+                        f"rule (a run stopped by stop.seconds would be left unevaluated)")
+
+
 def interleaved(runs: list[Run]) -> list[Run]:
     """The order the runs are made in: seed by seed, every variant of a seed (in spec order) before the
     next seed. A drift of the machine's speed during an experiment (other jobs, a neighbour on the host,
@@ -244,9 +255,10 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
             stop_layer = {"train": {"max_steps": stop.train_steps}} if stop.train_steps else {}
             data = merge(base, common, quick_layer, layer, seed_overrides(seed), stop_layer)
             try:
-                load_config(None, env={}, overrides=data)
+                cfg = load_config(None, env={}, overrides=data)
             except ConfigError as exc:
                 raise SpecError(f"variants.{variant} (seed {seed}): {exc}") from exc
+            _check_evaluation(f"variants.{variant}", stop, cfg.eval.every_versions, cfg.eval.defer)
             runs.append(Run(variant=variant, seed=seed, config=data, max_steps=stop.train_steps))
     name = (f.name or p.stem) + ("-quick" if quick else "")
     return Spec(name=name, path=str(p), quick=quick, baseline=f.baseline, seeds=seeds, stop=stop,

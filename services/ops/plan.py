@@ -24,8 +24,9 @@ from services.ops.supervisor import ProcessSpec
 from shared.config import DressageConfig
 from shared.telemetry import local_replica
 
-# Start tiers; stop runs them in reverse (workers first, the engine last).
-TIER_ENGINE, TIER_PROXY, TIER_CONSUMERS, TIER_SOURCE, TIER_WORKERS = range(5)
+# Start tiers; stop runs them in reverse (workers first, the engine last). TIER_AFTER: a job started
+# after the trainer's last step (deferred evaluation), alone in its tier so that it can be stopped alone.
+TIER_ENGINE, TIER_PROXY, TIER_CONSUMERS, TIER_SOURCE, TIER_WORKERS, TIER_AFTER = range(6)
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,15 @@ def common_env(cfg: DressageConfig, c: RunChoices) -> dict[str, str]:
     return env
 
 
-def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
-    """Every service of a local deployment as a supervised process, in start order."""
+def _factory(cfg: DressageConfig, c: RunChoices) -> Callable[..., ProcessSpec]:
+    """``proc(service, tier, name=None, extra=None, **ProcessSpec fields)``: one service of this run."""
     env = common_env(cfg, c)
     logs = c.run_dir / "logs"
-    ready_timeout = cfg.ops.ready_timeout_s
 
     def proc(service: str, tier: int, name: str | None = None, extra: dict[str, str] | None = None,
-             **kw: object) -> ProcessSpec:
+             args: tuple[str, ...] = (), **kw: object) -> ProcessSpec:
         name = name or service
-        argv = [c.python, "-m", "services", service, "--config", c.config_path]
+        argv = [c.python, "-m", "services", service, "--config", c.config_path, *args]
         # A stable consumer name per process: a restarted process re-reads its own pending entries.
         penv = {**env, "DRESSAGE_CONSUMER": f"{socket.gethostname()}-{name}", **(extra or {})}
         threads = cfg.ops.service_threads.get(service)
@@ -107,6 +107,13 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
                            nice=cfg.ops.service_nice.get(service, 0), **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
 
+    return proc
+
+
+def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
+    """Every service of a local deployment as a supervised process, in start order."""
+    proc = _factory(cfg, c)
+    ready_timeout = cfg.ops.ready_timeout_s
     specs = [
         proc("engine", TIER_ENGINE, ready=http_ok(f"http://{cfg.engine.host}:{c.engine_port}/health"),
              ready_timeout_s=ready_timeout),
@@ -117,7 +124,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
     ]
     if cfg.window_controller.enabled:  # the adaptive window: its failure leaves the last window in force
         specs.append(proc("window-controller", TIER_CONSUMERS, optional=True))
-    if cfg.eval.every_versions > 0:
+    if cfg.eval.every_versions > 0 and not cfg.eval.defer:
         specs.append(proc("eval-worker", TIER_CONSUMERS, optional=True))  # its failure never ends the run
     specs.append(proc("prompt-buffer", TIER_SOURCE, may_finish=True))
     for i in range(1, c.workers + 1):
@@ -126,3 +133,11 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
         specs.append(proc("rollout-worker", TIER_WORKERS, name=f"rollout-worker-{i}",
                           extra={"DRESSAGE_REPLICA": str(local_replica(i))}))
     return specs
+
+
+def deferred_evaluation(cfg: DressageConfig, c: RunChoices) -> ProcessSpec | None:
+    """With ``eval.defer``: the eval worker that ``dressage up`` runs in burst mode after the trainer's
+    last step (it runs the queued jobs, then exits); None when evaluation is off or live."""
+    if cfg.eval.every_versions == 0 or not cfg.eval.defer:
+        return None
+    return _factory(cfg, c)("eval-worker", TIER_AFTER, args=("--burst",))

@@ -294,6 +294,34 @@ class Supervisor:
             time.sleep(self.poll_s)
         return RunResult("stopped", why="stop requested")
 
+    def run_to_end(self, spec: ProcessSpec, timeout_s: float, stop_requested: Callable[[], bool],
+                   tick: Callable[[], None] | None = None, tick_every_s: float = 1.0) -> int | None:
+        """Start one more process (a burst job after the run, e.g. deferred evaluations) and wait for it to
+        exit. Returns its exit code, or None when ``timeout_s`` passed or a stop was requested first; it is
+        then stopped like any child (``stop(min_tier=spec.tier)``: give it a tier of its own). It joins
+        the children, so ``pids()`` shows it and the final ``stop()`` reaps it in every case."""
+        if any(c.spec.name == spec.name for c in self.children):
+            raise ValueError(f"duplicate process name: {spec.name}")
+        child = _Child(spec)
+        self.children.append(child)
+        self._spawn(child)
+        assert child.proc is not None
+        deadline, last_tick = time.monotonic() + timeout_s, 0.0
+        while child.proc.poll() is None:
+            if stop_requested() or time.monotonic() >= deadline:
+                log.warning("%s still running after %.0fs or a stop was requested: stopping it",
+                            spec.name, timeout_s)
+                self.stop(min_tier=spec.tier)
+                return None
+            if tick is not None and time.monotonic() - last_tick >= tick_every_s:
+                tick()
+                last_tick = time.monotonic()
+            time.sleep(self.poll_s)
+        self._signal(child, signal.SIGKILL, group_only=True)  # any grandchild it left (an rq work horse)
+        self._close_log(child)
+        log.info("%s exited with code %s", spec.name, child.proc.returncode)
+        return child.proc.returncode
+
     # -- stopping -------------------------------------------------------------------------
     def stop(self, min_tier: int | None = None) -> dict[str, int | None]:
         """SIGTERM tier by tier from the highest, wait ``grace_s``, SIGKILL the rest. Exit codes by name.

@@ -5,7 +5,8 @@ process plan -> supervisor loop with a progress tick -> metrics.jsonl + report. 
 lives in ``runs/<name>/``: ``logs/<service>.log``, ``checkpoints/``, ``redis/`` (private Redis data),
 ``metrics.jsonl``, ``report/``, and ``run.json`` (Redis URL without credentials + prefix, read by
 ``dressage status``). The run ends when the trainer exits 0 after ``train.max_steps`` (success: the
-workers stop first and the last evaluation is awaited, bounded), on
+workers stop first and the last evaluation is awaited, bounded; with ``eval.defer`` a burst eval
+worker then runs every queued evaluation, bounded), on
 Ctrl-C/SIGTERM (clean stop), or when a service dies (failure naming it, unless ``--restart``).
 Exit code: 0 finished or stopped, 1 a service failed, 2 bad configuration.
 """
@@ -27,7 +28,7 @@ from typing import Any
 from services.ops.decisionlog import CONTROLLER_FILE, DecisionFile, controller_records
 from services.ops.decisionlog import FILE as DECISIONS_FILE
 from services.ops.metricslog import MetricsLog
-from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, public_url, run_prefix
+from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
 from services.ops.probes import ServiceProbe
 from services.ops.progress import Progress
 from services.ops.redisboot import NoRedisAvailable, resolve_redis
@@ -42,6 +43,8 @@ from shared.versionbus import read_latest, version_number
 log = logging.getLogger(__name__)
 DEMO_MAX_STEPS = 40  # used by --demo when neither --max-steps nor train.max_steps is set
 FINAL_EVAL_WAIT_S = 120.0  # after the last step: how long to wait for the last version's evaluation
+DEFERRED_EVAL_WAIT_S = 1800.0  # eval.defer: how long the burst eval worker may take for all queued versions
+LANDED_WAIT_S = 15.0  # eval.defer: after the burst worker, for its last rows to reach metrics.jsonl
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -187,11 +190,21 @@ def main(argv: list[str] | None = None) -> int:
         sup = Supervisor(specs, restart=args.restart, grace_s=cfg.ops.stop_grace_s,
                          policy=RestartPolicy(max_restarts=cfg.ops.restart_max))
         probe.pids = sup.pids  # CPU seconds per service in every stats snapshot
+        deferred = deferred_evaluation(cfg, choices)
+
         def finish_evaluation(res: RunResult) -> None:
             progress.sample_now()  # the engine's and proxy's clocks at the end of the trainer loop
-            if res.outcome == "finished" and cfg.eval.every_versions > 0 and not stop.is_set:
-                sup.stop(min_tier=TIER_SOURCE)  # no new rollouts; the eval worker keeps going
-                wait_final_eval(progress, cfg.eval.every_versions, FINAL_EVAL_WAIT_S, lambda: stop.is_set)
+            if res.outcome != "finished" or cfg.eval.every_versions == 0 or stop.is_set:
+                return
+            sup.stop(min_tier=TIER_SOURCE)  # no new rollouts; a live eval worker keeps going
+            if deferred is not None:  # eval.defer: every published version's evaluation runs now
+                log.info("running the deferred evaluations (%s --burst)", deferred.name)
+                code = sup.run_to_end(deferred, DEFERRED_EVAL_WAIT_S, lambda: stop.is_set, tick=progress.tick)
+                if code != 0:
+                    log.warning("deferred evaluation ended with %s: see %s", code, deferred.log_path)
+                    return
+            wait_final_eval(progress, cfg.eval.every_versions,
+                            LANDED_WAIT_S if deferred is not None else FINAL_EVAL_WAIT_S, lambda: stop.is_set)
 
         degraded_key = keys.custom("ops", "degraded")
 

@@ -65,7 +65,10 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
     base = free_base()
     run_dir = tmp_path / "run"
     env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model_dir), "PYTHONUNBUFFERED": "1",
-           "DRESSAGE_OPS_METRICS_PORT_BASE": str(base), "DRESSAGE_TRAIN_MAX_STEPS": "6",
+           "DRESSAGE_OPS_METRICS_PORT_BASE": str(base),
+           # far more steps than the scrapes need: the run must not end (and its endpoints close) while a
+           # loaded machine is still scraping; `finally` stops it
+           "DRESSAGE_TRAIN_MAX_STEPS": "500",
            "DRESSAGE_WINDOW_CONTROLLER_ENABLED": "true", "DRESSAGE_WINDOW_CONTROLLER_INTERVAL_S": "1"}
     env.pop("REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--config", CONFIG, "--run-dir", str(run_dir),

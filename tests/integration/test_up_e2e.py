@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/test.yaml"
 
 
-def start_up(run_dir: Path, model: Path, *extra: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1"}
+def start_up(run_dir: Path, model: Path, *extra: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "DRESSAGE_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     env.pop("REDIS_URL", None)  # a private Redis, always
     return subprocess.Popen([sys.executable, "-m", "services", "up", "--config", CONFIG, "--run-dir", str(run_dir),
                              "--quiet", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -61,6 +61,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def finished(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The output of a bounded run that must end on its own with the trainer done (killed if it does not)."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "run finished: trainer exited 0" in output
+    return output
+
+
 def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Path, run_dir: Path,
                                                                   capsys: Any) -> None:
     proc = start_up(run_dir, model_dir, "--demo")
@@ -73,12 +85,10 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
         assert re.search(r"VERSION\s+current \d+", screen), screen
         assert re.search(r"trainer\s+\S+\s+alive", screen) and re.search(r"rollout-worker\s+\S+\s+alive", screen)
         assert re.search(r"ENGINES\s+http://127\.0\.0\.1:\d+\s+alive \(weight_version \d+\)", screen), screen
-        output, _ = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output
-    assert "run finished: trainer exited 0" in output
+    except BaseException:
+        proc.kill()
+        raise
+    output = finished(proc, 150)
     rows = load_rows(run_dir / "metrics.jsonl")
     train = [r for r in rows if r.get("service") == "trainer" and "train/step" in r]
     assert [r["train/step"] for r in train] == [1, 2, 3]
@@ -97,6 +107,25 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
             "rollout-worker-1", "rollout-worker-2"} <= logs
     info = json.loads((run_dir / "run.json").read_text())
     assert info["prefix"].startswith("dressage-test-") and "@" not in info["redis_url"]
+    assert not any(alive(pid) for pid in child_pids(output).values())
+
+
+def test_deferred_evaluation_runs_every_queued_version_after_the_last_step(model_dir: Path, run_dir: Path) -> None:
+    # keep_checkpoints 1: only the queued evaluations keep the older versions on disk until they ran
+    proc = start_up(run_dir, model_dir, "--max-steps", "3", "--no-report",
+                    env_extra={"DRESSAGE_EVAL_DEFER": "true", "DRESSAGE_EVAL_EVERY_VERSIONS": "1",
+                               "DRESSAGE_TRAIN_KEEP_CHECKPOINTS": "1"})
+    output = finished(proc, 300)
+    # No eval worker ran beside the pipeline: one burst worker started once the trainer was done.
+    started = [m.group(1) for m in re.finditer(r"started (\S+) pid=", output)]
+    assert started.count("eval-worker") == 1 and started[-1] == "eval-worker", started
+    assert output.index("running the deferred evaluations") < output.index("started eval-worker")
+    assert re.search(r"eval-worker exited with code 0", output), output
+    rows = load_rows(run_dir / "metrics.jsonl")
+    evaluated = {str(r["eval/version"]) for r in rows if "eval/accuracy" in r}
+    assert evaluated == {"0", "1", "2", "3"}, evaluated  # every published version, none lost to pruning
+    published = {str(r.get("train/published_version")) for r in rows if r.get("service") == "trainer"}
+    assert {"1", "2", "3"} <= published  # the publication times that time-to-accuracy is read from
     assert not any(alive(pid) for pid in child_pids(output).values())
 
 

@@ -74,6 +74,10 @@ def test_variants_subset_keeps_spec_order_and_needs_the_baseline(tmp_path: Path,
     ({"baseline": "synchronous"}, "baseline"),
     ({"stop": {"steps": 3, "seconds": 10}}, "stop"),
     ({"stop": {"accuracy": 0.5}}, "cap"),
+    ({"stop": {"accuracy": 0.5, "max_steps": 9}, "overrides": {"eval.every_versions": 0}}, "stop.accuracy needs"),
+    ({"stop": {"accuracy": 0.5, "max_steps": 9}, "overrides": {"eval.every_versions": 2, "eval.defer": True}},
+     "stop.accuracy needs"),
+    ({"stop": {"seconds": 60}, "overrides": {"eval.every_versions": 2, "eval.defer": True}}, "eval.defer"),
     ({"quick": {"variants": ["async", "fast"]}}, "quick.variants"),
 ])
 def test_a_bad_spec_names_the_key(tmp_path: Path, changes: dict[str, Any], named: str) -> None:

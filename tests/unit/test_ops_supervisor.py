@@ -208,6 +208,32 @@ def test_partial_stop_then_before_stop_hook_then_full_stop(tmp_path: Path) -> No
     assert not alive(sup.pids()["evaluator"])  # the full stop after the hook
 
 
+def test_run_to_end_after_the_run_waits_for_the_job_or_stops_it(tmp_path: Path) -> None:
+    sup = Supervisor([spec("server", SLEEP, tmp_path, tier=0),
+                      spec("trainer", "import time\ntime.sleep(0.2)", tmp_path, tier=1, ends_run=True)], grace_s=5)
+    codes: dict[str, int | None] = {}
+    ticks: list[float] = []
+
+    def hook(result: RunResult) -> None:
+        assert result.outcome == "finished"
+        job = spec("job", "import time, sys\ntime.sleep(0.5)\nsys.exit(3)", tmp_path, tier=5)
+        codes["job"] = sup.run_to_end(job, 30, lambda: False, tick=lambda: ticks.append(time.monotonic()),
+                                      tick_every_s=0.1)
+        assert alive(sup.pids()["server"])  # the run's other processes are still up meanwhile
+        hang = spec("hang", SLEEP, tmp_path, tier=6)
+        t0 = time.monotonic()
+        codes["hang"] = sup.run_to_end(hang, 0.5, lambda: False)
+        assert time.monotonic() - t0 < 5 and not alive(sup.pids()["hang"])  # stopped at its timeout
+        assert alive(sup.pids()["server"])  # ... alone: its tier only
+        with pytest.raises(ValueError, match="duplicate"):
+            sup.run_to_end(spec("server", "pass", tmp_path, tier=7), 1, lambda: False)
+
+    run_until_with_hook(sup, hook)
+    assert codes == {"job": 3, "hang": None}
+    assert len(ticks) >= 2  # the progress tick keeps running while the job does
+    assert "job" in sup.pids() and not alive(sup.pids()["server"])
+
+
 def run_until_with_hook(sup: Supervisor, hook: Callable[[RunResult], None],
                         timeout: float = 10.0) -> RunResult:
     deadline = time.monotonic() + timeout

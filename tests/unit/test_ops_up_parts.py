@@ -16,7 +16,7 @@ import redis
 
 from services.ops import health, redisboot
 from services.ops.metricslog import MetricsLog, load_rows
-from services.ops.plan import RunChoices, build_plan, public_url, run_prefix
+from services.ops.plan import RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
 from services.ops.progress import Progress, progress_line
 from services.ops.up import port_or_free
 from shared.config import load_config
@@ -94,6 +94,21 @@ def test_progress_tick_samples_the_probe_into_the_ops_row(tmp_path: Path) -> Non
 def test_plan_without_eval_has_no_eval_worker(tmp_path: Path) -> None:
     cfg = load_config("configs/cpu-demo.yaml", env={"DRESSAGE_EVAL_EVERY_VERSIONS": "0"})
     assert "eval-worker" not in [s.name for s in build_plan(cfg, choices(tmp_path, workers=1))]
+    assert deferred_evaluation(cfg, choices(tmp_path)) is None
+
+
+def test_deferred_evaluation_is_a_burst_eval_worker_after_the_run_in_a_tier_of_its_own(tmp_path: Path) -> None:
+    live = load_config("configs/cpu-demo.yaml", env={"DRESSAGE_OPS_SERVICE_NICE": '{"eval-worker": 19}'})
+    assert deferred_evaluation(live, choices(tmp_path)) is None
+    cfg = load_config("configs/cpu-demo.yaml", env={"DRESSAGE_EVAL_DEFER": "true",
+                                                    "DRESSAGE_OPS_SERVICE_NICE": '{"eval-worker": 19}'})
+    specs = build_plan(cfg, choices(tmp_path))
+    assert "eval-worker" not in [s.name for s in specs]  # nothing evaluates while the run is measured
+    after = deferred_evaluation(cfg, choices(tmp_path))
+    assert after is not None and after.name == "eval-worker" and after.nice == 19
+    assert list(after.argv)[-1] == "--burst" and after.tier > max(s.tier for s in specs)
+    assert after.env["DRESSAGE_EVAL_QUEUE"] == "dressage-r1-eval"  # the run's own queue, where its jobs wait
+    assert after.env["DRESSAGE_TRAIN_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
 
 
 def test_run_prefix_is_a_valid_prefix() -> None:
