@@ -9,7 +9,8 @@ time-decomposition tables, then as its last line::
 
 R is sync's mean trainer wall-clock to K steps over async's (the baseline is measured in the same
 run); S is sync's wall-clock to its final step over the time async first published a model at least
-as accurate as sync's mean final eval accuracy. Every call measures anew (the experiment folder is
+as accurate as sync's mean final eval accuracy (the spec defers evaluation to after each run,
+``eval.defer``, so that it takes no CPU from the runs it measures). Every call measures anew (the experiment folder is
 deleted first); ``--resume`` instead keeps the runs an interrupted call finished; ``--full`` runs the
 whole spec instead of its quick preset.
 
