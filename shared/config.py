@@ -304,6 +304,16 @@ class EvalConfig(Section):
     # version's publication. Live readers (`dressage status`, accuracy stop rules) see no accuracy until then
     defer: bool = False
 
+    @property
+    def live(self) -> bool:
+        """An eval worker runs beside the pipeline (evaluation on, not deferred)."""
+        return self.every_versions > 0 and not self.defer
+
+    @property
+    def deferred(self) -> bool:
+        """Evaluation on, run by a burst eval worker after the trainer's last step."""
+        return self.every_versions > 0 and self.defer
+
 
 def _per_service(value: dict[str, int], low: int, high: int, what: str) -> dict[str, int]:
     """A per-service setting of ``dressage up``: known service names, values within [low, high]."""

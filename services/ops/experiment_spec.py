@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shared.config import ENV_PREFIX, SECTIONS, load_config, read_yaml_mapping
+from shared.config import ENV_PREFIX, SECTIONS, EvalConfig, load_config, read_yaml_mapping
 from shared.errors import ConfigError
 
 NAME = r"^[A-Za-z0-9_.\-]+$"
@@ -196,13 +196,14 @@ def _check_subset(where: str, chosen: list[str], available: list[str], baseline:
         raise SpecError(f"{where}: must include the baseline {baseline!r}")
 
 
-def _check_evaluation(where: str, stop: StopRule, every: int, defer: bool) -> None:
+def _check_evaluation(where: str, stop: StopRule, ev: EvalConfig) -> None:
     """An accuracy stop rule needs evaluation during the run; deferred evaluation (``eval.defer``) runs
     only after the trainer's last step, which a run stopped from outside (``stop.seconds``) never takes."""
-    if stop.accuracy is not None and (every == 0 or defer):
+    if stop.accuracy is not None and not ev.live:
         raise SpecError(f"{where}: stop.accuracy needs evaluation during the run (eval.every_versions > 0 "
-                        f"and eval.defer false; got every_versions={every}, defer={str(defer).lower()})")
-    if defer and every > 0 and stop.steps is None:
+                        f"and eval.defer false; got every_versions={ev.every_versions}, "
+                        f"defer={str(ev.defer).lower()})")
+    if ev.deferred and stop.steps is None:
         raise SpecError(f"{where}: eval.defer evaluates after the trainer's last step: it needs a stop.steps "
                         f"rule (a run stopped by stop.seconds would be left unevaluated)")
 
@@ -258,7 +259,7 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
                 cfg = load_config(None, env={}, overrides=data)
             except ConfigError as exc:
                 raise SpecError(f"variants.{variant} (seed {seed}): {exc}") from exc
-            _check_evaluation(f"variants.{variant}", stop, cfg.eval.every_versions, cfg.eval.defer)
+            _check_evaluation(f"variants.{variant}", stop, cfg.eval)
             runs.append(Run(variant=variant, seed=seed, config=data, max_steps=stop.train_steps))
     name = (f.name or p.stem) + ("-quick" if quick else "")
     return Spec(name=name, path=str(p), quick=quick, baseline=f.baseline, seeds=seeds, stop=stop,

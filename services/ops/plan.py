@@ -124,7 +124,7 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
     ]
     if cfg.window_controller.enabled:  # the adaptive window: its failure leaves the last window in force
         specs.append(proc("window-controller", TIER_CONSUMERS, optional=True))
-    if cfg.eval.every_versions > 0 and not cfg.eval.defer:
+    if cfg.eval.live:
         specs.append(proc("eval-worker", TIER_CONSUMERS, optional=True))  # its failure never ends the run
     specs.append(proc("prompt-buffer", TIER_SOURCE, may_finish=True))
     for i in range(1, c.workers + 1):
@@ -138,6 +138,6 @@ def build_plan(cfg: DressageConfig, c: RunChoices) -> list[ProcessSpec]:
 def deferred_evaluation(cfg: DressageConfig, c: RunChoices) -> ProcessSpec | None:
     """With ``eval.defer``: the eval worker that ``dressage up`` runs in burst mode after the trainer's
     last step (it runs the queued jobs, then exits); None when evaluation is off or live."""
-    if cfg.eval.every_versions == 0 or not cfg.eval.defer:
+    if not cfg.eval.deferred:
         return None
     return _factory(cfg, c)("eval-worker", TIER_AFTER, args=("--burst",))

@@ -163,7 +163,7 @@ class Target:
 def resolve_target(args: argparse.Namespace) -> Target:
     """Where to look, from the flags, a run dir (run.json), or a config (+ env)."""
     cfg = load_config(args.config)
-    expected = [s for s in SERVICES if s != "eval-worker" or cfg.eval.every_versions > 0]
+    expected = [s for s in SERVICES if s != "eval-worker" or cfg.eval.live]  # a deferred one runs after the run
     pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
     run_json: Path | None = None
     if args.run:

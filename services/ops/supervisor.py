@@ -135,6 +135,14 @@ def _child_setup(nice: int) -> Callable[[], None]:
     return setup
 
 
+def _tick_if_due(tick: Callable[[], None] | None, last_tick: float, every_s: float) -> float:
+    """Call ``tick`` when ``every_s`` has passed since ``last_tick`` (monotonic); the new last tick time."""
+    if tick is None or time.monotonic() - last_tick < every_s:
+        return last_tick
+    tick()
+    return time.monotonic()
+
+
 @dataclass
 class _Child:
     spec: ProcessSpec
@@ -288,9 +296,7 @@ class Supervisor:
             result = self.poll()
             if result is not None:
                 return result
-            if tick is not None and time.monotonic() - last_tick >= tick_every_s:
-                tick()
-                last_tick = time.monotonic()
+            last_tick = _tick_if_due(tick, last_tick, tick_every_s)
             time.sleep(self.poll_s)
         return RunResult("stopped", why="stop requested")
 
@@ -313,9 +319,7 @@ class Supervisor:
                             spec.name, timeout_s)
                 self.stop(min_tier=spec.tier)
                 return None
-            if tick is not None and time.monotonic() - last_tick >= tick_every_s:
-                tick()
-                last_tick = time.monotonic()
+            last_tick = _tick_if_due(tick, last_tick, tick_every_s)
             time.sleep(self.poll_s)
         self._signal(child, signal.SIGKILL, group_only=True)  # any grandchild it left (an rq work horse)
         self._close_log(child)

@@ -111,6 +111,16 @@ def test_deferred_evaluation_is_a_burst_eval_worker_after_the_run_in_a_tier_of_i
     assert after.env["DRESSAGE_TRAIN_CHECKPOINT_DIR"] == str(tmp_path / "run" / "checkpoints")
 
 
+def test_status_expects_an_eval_worker_only_when_it_runs_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.ops.status import parse_args, resolve_target
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    for defer, expected in (("false", True), ("true", False)):
+        monkeypatch.setenv("DRESSAGE_EVAL_DEFER", defer)
+        target = resolve_target(parse_args(["--config", "configs/cpu-demo.yaml"]))
+        assert ("eval-worker" in target.expected) is expected, defer  # deferred: none runs during the run
+
+
 def test_run_prefix_is_a_valid_prefix() -> None:
     assert run_prefix("dressage", "20250101-120000") == "dressage-20250101-120000"
     odd = run_prefix("dressage", "my run:1/x")
