@@ -54,6 +54,7 @@ from services.trainer.batching import InvalidBatch, version_gap, version_gap_his
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_state
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
+from services.trainer.modeldir import ModelDirWriter
 from services.trainer.resume import ResumePlan, trusted_published, version_index
 from services.trainer.sinks import MetricSinks
 from shared import stats
@@ -65,7 +66,6 @@ from shared.errors import MalformedEntry
 from shared.evaluation import enqueue_eval, pinned_checkpoints
 from shared.keys import GROUP_TRAINER
 from shared.lifecycle import StopFlag
-from shared.modeling.compat import make_loadable
 from shared.phases import PhaseClock
 from shared.schemas import Batch, WeightVersion
 from shared.streams import Entry, GroupReader, ensure_group, reclaim
@@ -120,6 +120,7 @@ class TrainerLoop:
                  stop: StopFlag, sinks: MetricSinks | None = None) -> None:
         self.r, self.cfg, self.keys = r, cfg, cfg.keys()
         self.learner, self.tokenizer, self.store, self.plan = learner, tokenizer, store, plan
+        self.model_dirs = ModelDirWriter(learner.model, tokenizer)  # a version costs its weights file
         self.stop, self.sinks = stop, sinks
         st = restored or {}
         limit = cfg.train.remember_batch_ids
@@ -418,19 +419,15 @@ class TrainerLoop:
                 fault_point("after_ack")
             self._publish(info)
 
-    def _save_weights(self, job: _CommitJob) -> Any:
-        def save_weights(d: Any) -> None:
-            self.learner.model.save_pretrained(d, safe_serialization=True, state_dict=job.weights)  # None: its own
-            self.tokenizer.save_pretrained(d)
-            make_loadable(d)  # transformers 4.5x (SGLang's pin) reads the checkpoint too
-
-        return save_weights
-
     def _write_checkpoint(self, job: _CommitJob) -> CheckpointInfo:
-        return self.store.write(job.version, job.step, self._save_weights(job), job.state)
+        info = self.store.write(job.version, job.step, lambda d: self.model_dirs.write(d, job.weights), job.state)
+        self.model_dirs.finished(info.path)
+        return info
 
     def _write_snapshot(self, job: _CommitJob) -> CheckpointInfo:
-        return self.store.write_snapshot(job.version, job.step, self._save_weights(job))
+        info = self.store.write_snapshot(job.version, job.step, lambda d: self.model_dirs.write(d, job.weights))
+        self.model_dirs.finished(info.path)
+        return info
 
     def _ack(self, held: list[Held], step: int | None = None, version: int | None = None) -> None:
         """XACK + counters + the trained record in one MULTI (``step``/``version``: of the commit)."""
