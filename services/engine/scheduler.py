@@ -192,10 +192,17 @@ class Scheduler:
         return sum(len(s.req.input_ids) + len(s.out) for s in list(self.batch.rows))
 
     def counts(self) -> dict[str, Any]:
-        # Read from other threads: a request being prefilled still counts as waiting (SGLang's queue).
-        return {"running": len(self.batch), "waiting": len(self._waiting) + len(self._joining), "paused": self.paused,
-                "swaps_pending": len(self._swaps),
-                "weight_version": self.weight_version, **self.stats}
+        """Requests running and waiting (a prefill still counts as waiting, as in SGLang's queue).
+
+        Read from other threads without a lock while the scheduler moves a request from the queue to the
+        joiners to the batch, listing it in both places for an instant at each move. So the three are read
+        in that order and each request counted once: one present throughout is counted exactly once (a
+        double count made /get_load report an engine busier than it was, and a balancer skip it)."""
+        waiting, joining, rows = list(self._waiting), list(self._joining), list(self.batch.rows)
+        running = {id(s) for s in rows}
+        queued = {id(s) for s in waiting} | {id(s) for s in joining}
+        return {"running": len(running), "waiting": len(queued - running), "paused": self.paused,
+                "swaps_pending": len(self._swaps), "weight_version": self.weight_version, **self.stats}
 
     # ----- thread ---------------------------------------------------------------------------
     @property

@@ -441,3 +441,19 @@ def test_a_request_being_prefilled_is_still_counted(sched: Scheduler, monkeypatc
         pass
     assert done.is_set() and seen
     assert seen[0]["running"] == 0 and seen[0]["waiting"] == 3, seen  # the first prefill admits all three
+
+
+def test_counts_list_a_request_once_while_it_moves_between_queue_joiners_and_batch(sched: Scheduler) -> None:
+    for i, ids in enumerate(prompts(3)):
+        sched.submit(req(str(i), ids), lambda r: None)
+    sched._drain()  # the three are queued
+    a, b, c = list(sched._waiting)
+    assert (sched.counts()["running"], sched.counts()["waiting"]) == (0, 3)
+    sched._joining = [a]  # _admit lists a joiner before it leaves the queue
+    assert (sched.counts()["running"], sched.counts()["waiting"]) == (0, 3)
+    sched._waiting.popleft()
+    sched.batch.rows.append(a)  # the prefill has put it in the batch; the joiners are cleared after
+    assert (sched.counts()["running"], sched.counts()["waiting"]) == (1, 2)
+    sched._joining = []
+    assert (sched.counts()["running"], sched.counts()["waiting"]) == (1, 2)
+    assert {b.req.rid, c.req.rid} == {"1", "2"}
