@@ -125,6 +125,14 @@ def _place(final: Path, fill: Callable[[Path], None], durable: bool) -> Path:
     return final
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (a file never written again), or a copy where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or no hard links
+        shutil.copy2(src, dst)
+
+
 class CheckpointStore:
     """The checkpoint directory of one trainer."""
 
@@ -234,10 +242,7 @@ class CheckpointStore:
         def link_files(d: Path) -> None:
             for f in sorted(snapshot.path.iterdir()):
                 if f.is_file():
-                    try:
-                        os.link(f, d / f.name)  # a snapshot's files are never written again
-                    except OSError:  # another filesystem, or no hard links: copy
-                        shutil.copy2(f, d / f.name)
+                    link_or_copy(f, d / f.name)  # a snapshot's files are never written again
 
         return self.write(snapshot.version, snapshot.step, link_files, state)
 

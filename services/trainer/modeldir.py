@@ -21,14 +21,13 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from services.trainer.checkpoint import link_or_copy
 from shared.modeling.compat import make_loadable
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,8 @@ class ModelDirWriter:
         """After the first full save: the fast path's tensor names and metadata, if it can reproduce it."""
         files = sorted(p.name for p in out.iterdir() if p.is_file())
         if SHARD_INDEX in files or WEIGHTS_FILE not in files:
-            log.info("model directory written in full at every version: the weights are sharded (%s)", files)
+            log.info("model directory written in full at every version: the weights are not one %s (%s)",
+                     WEIGHTS_FILE, files)
             return
         with safe_open(str(out / WEIGHTS_FILE), framework="pt") as f:
             names, metadata = list(f.keys()), f.metadata()
@@ -92,13 +92,5 @@ class ModelDirWriter:
         if not all(p.is_file() for p in sources):  # pruned, or moved behind our back: write in full once more
             return False
         for src in sources:
-            _link_or_copy(src, out / src.name)
+            link_or_copy(src, out / src.name)
         return True
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or no hard links
-        shutil.copy2(src, dst)
-
