@@ -16,6 +16,7 @@ from services.trainer.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
+    pinned_names,
     rng_state,
     set_rng_state,
 )
@@ -176,3 +177,20 @@ def test_leftover_snapshot_temp_dirs_go_at_start_and_abandoned_ones_on_request(t
     assert [p.name for p in store.cleanup_temp()] == [".tmp-v00000004-x"]
     assert store.drop_snapshots_above(1) == [store.snapshot_path(2), store.snapshot_path(3)]
     assert [i.version for i in store.snapshots()] == [1]
+
+
+def test_pinned_names_match_published_relative_and_symlinked_paths(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "ckpt"
+    (root / "v1").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "v9").mkdir(parents=True)
+    (tmp_path / "via").symlink_to(root)
+    monkeypatch.chdir(tmp_path)
+    referenced = [str((root / "v1").resolve()),  # as the trainer publishes it: no system call
+                  "ckpt/v2",  # relative to the working directory
+                  tmp_path / "via" / "v3",  # through a symlink to the root
+                  root / "sub" / ".." / "v4",  # folded lexically
+                  tmp_path / "elsewhere" / "v9",  # another directory: not ours
+                  root / "v1" / "model.safetensors"]  # a file inside a version: not a version
+    assert pinned_names(root, referenced) == {"v1", "v2", "v3", "v4"}
+    assert pinned_names(tmp_path / "via", [root / "v5"]) == {"v5"}  # the root itself given via a symlink
+    assert pinned_names(root, []) == set()
