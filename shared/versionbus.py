@@ -69,7 +69,8 @@ def versions_behind(current: int, label: str) -> int | None:
     return None if n is None else current - n
 
 
-def _parse(raw: Any) -> WeightVersion | None:
+def parse_version(raw: Any) -> WeightVersion | None:
+    """The value of ``{p}:weights:latest`` as read (None when unset); `MalformedEntry` when it is not one."""
     if raw is None:
         return None
     try:
@@ -90,7 +91,7 @@ def read_log(r: redis.Redis, keys: Keys, cursor: str = "0-0") -> tuple[str, list
 
 
 def read_latest(r: redis.Redis, keys: Keys) -> WeightVersion | None:
-    return _parse(r.get(keys.weights_latest))
+    return parse_version(r.get(keys.weights_latest))
 
 
 def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: int = 10_000,
@@ -104,7 +105,7 @@ def publish_version(r: redis.Redis, keys: Keys, wv: WeightVersion, log_maxlen: i
         while True:
             try:
                 pipe.watch(keys.weights_latest)
-                current = _parse(pipe.get(keys.weights_latest))
+                current = parse_version(pipe.get(keys.weights_latest))
                 forged = current is not None and replace is not None and replace(current)
                 if current is not None and not forged and not version_newer(wv.version, current.version):
                     raise VersionRegression(f"version {wv.version!r} is not newer than the latest {current.version!r}")

@@ -198,6 +198,21 @@ def decomposition_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list
     return out
 
 
+CHAIN_COLUMNS = (("admit_lag_ms", "admission after a publication"), ("batch_queue_max_ms", "slowest group's queue"),
+                 ("batch_rollout_max_ms", "slowest group's rollout"))
+
+
+def chain_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """A batch's trip through the pipeline (ms, mean [95 % interval]) beside the trainer's step time."""
+    out = [["variant", "trainer step", *[label for _, label in CHAIN_COLUMNS]]]
+    for v in spec.variants:
+        steps = [1000 * w / k for r in rows if r.get("variant") == v
+                 and (w := number(r.get("wall_to_k_s"))) and (k := number(r.get("steps")))]
+        means = [_mean(steps), *[_mean(summ.values(rows, v, col)) for col, _ in CHAIN_COLUMNS]]
+        out.append([v, *["-" if iv is None else iv.text(1, " ms") for iv in means]])
+    return out
+
+
 def cores_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     """CPU cores each service used on average while the trainer ran (mean over seeds)."""
     names = [c for c in summ.columns(spec.targets) if c.startswith("cores_")]
@@ -282,6 +297,9 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
                "steps and time over the runs that reached the target)", staleness_table(spec, rows)),
               (f"Ratios against the baseline ({spec.baseline})", ratio_table(spec, rows)),
               ("Where the time goes (fractions of wall-clock, mean [95 % interval])", decomposition_table(spec, rows)),
+              ("A batch's trip (ms per batch, mean [95 % interval]): admission after a publication, then the "
+               "slowest of its groups waiting for a worker and rolling out; at η = 1 it has one trainer step "
+               "for all of it", chain_table(spec, rows)),
               (f"CPU cores used per service while the trainer ran (mean; the machine has {os.cpu_count()})",
                cores_table(spec, rows))]
     target = baseline_accuracy(spec, rows)

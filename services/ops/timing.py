@@ -8,6 +8,10 @@ Sources (all cumulative, so any two samples give the rate in between):
   ``proxy/weight_update_s`` (the proxy paused for a weight load) and ``cpu/<service>_s`` (CPU
   seconds of each service's processes), sampled every few seconds; CPU seconds per second are the
   cores a service used, which on a 2-core machine says who takes the cores from rollout and training;
+* the rollout chain of a batch: ``prompt_buffer/admit_lag_s`` (a version's publication to the first
+  groups it admits) and, per batch from the collector, the slowest group's prompt-queue wait
+  (``staleness/time_prompt_queue_s_max``) and rollout (``staleness/time_rollout_s_max``): at η = 1 a
+  batch has one trainer step to go through the chain, so a chain longer than a step is trainer wait;
 * the rollout workers' ``rollout/group_seconds`` per finished group: a group's wall time is spent
   waiting on the proxy (its model calls), so their sum over the worker slots
   (workers × ``rollout.concurrency``) and the trainer loop's length is the slots' busy fraction
@@ -27,6 +31,9 @@ from services.ops.series import Row, number, trainer_rows
 from shared.config import LOCAL_SERVICES
 
 TRAINER_PHASES = ("wait", "train", "checkpoint", "publish", "other")
+# The rollout chain's links: column name -> the metric averaged over the loop's reports.
+CHAIN = {"admit_lag": "prompt_buffer/admit_lag_s", "batch_queue_max": "staleness/time_prompt_queue_s_max",
+         "batch_rollout_max": "staleness/time_rollout_s_max"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class TimeSplit:
     group_seconds_mean: float | None = None  # mean wall time of one group attempt (waiting on the proxy)
     worker_slot_busy: float | None = None  # Σ group seconds / (slots × run length)
     cores: dict[str, float] = field(default_factory=dict)  # service -> CPU cores used on average (loop window)
+    chain: dict[str, float] = field(default_factory=dict)  # CHAIN link -> mean seconds per batch (loop window)
 
     @property
     def engine_idle(self) -> float | None:
@@ -118,6 +126,11 @@ def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
         ts = [t for t in (number(r.get("ts")) for r in rows) if t is not None]
         length = (max(ts) - min(ts)) if ts else 0.0
     groups = [v for v in (number(r.get("rollout/group_seconds")) for r in in_loop) if v is not None]
+    chain = {}
+    for link, metric in CHAIN.items():
+        values = [v for v in (number(r.get(metric)) for r in in_loop) if v is not None]
+        if values:
+            chain[link] = sum(values) / len(values)
     return TimeSplit(
         trainer_wall_s=wall,
         trainer={p: s / wall for p, s in seconds.items()} if wall else {},
@@ -128,6 +141,7 @@ def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
         group_seconds_mean=sum(groups) / len(groups) if groups else None,
         worker_slot_busy=(sum(groups) / (slots * length)) if slots and groups and length > 0 else None,
         cores={s: c for s in LOCAL_SERVICES if (c := _rate(ops, f"cpu/{s}_s", start, end)) is not None},
+        chain=chain,
     )
 
 
@@ -140,6 +154,7 @@ def columns(split: TimeSplit) -> dict[str, float | None]:
                 "worker_slot_busy_frac": split.worker_slot_busy})
     out.update({f"cores_{s.replace('-', '_')}": split.cores.get(s) for s in LOCAL_SERVICES})
     out["cores_total"] = sum(split.cores.values()) if split.cores else None
+    out.update({f"{link}_ms": (1000 * split.chain[link] if link in split.chain else None) for link in CHAIN})
     return out
 
 
@@ -159,6 +174,8 @@ def summary_pairs(split: TimeSplit) -> list[tuple[str, str]]:
             ("rollout group wait on the proxy, mean",
              "-" if split.group_seconds_mean is None else f"{split.group_seconds_mean:.2f} s"),
             ("rollout worker slots busy", pct(split.worker_slot_busy)),
+            ("rollout chain per batch: admission after a publication / slowest group's queue / its rollout",
+             " / ".join("-" if link not in split.chain else f"{1000 * split.chain[link]:.1f} ms" for link in CHAIN)),
             ("CPU cores used (services)", ", ".join(f"{s} {c:.2f}" for s, c in split.cores.items())
              + (f"; total {sum(split.cores.values()):.2f}" if split.cores else "-"))]
     return out

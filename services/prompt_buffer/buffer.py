@@ -6,8 +6,10 @@ crash at any point leaves either all of them or none, and a restart (or a second
 the first) continues exactly after the last committed prompt — nothing skipped, nothing doubled.
 
 How many groups may be emitted comes from ``pacing.PacingPolicy`` over the persistent counters
-and the published version, plus a backpressure cap on the length of ``{p}:prompts``. The loop
-wakes immediately on a new weight version (``VersionWatcher``) and polls otherwise.
+and the published version, plus a backpressure cap on the length of ``{p}:prompts``, all read in one
+pipelined round trip. The loop wakes immediately on a new weight version (``VersionWatcher``) and
+polls otherwise; the first emission under a version reports ``prompt_buffer/admit_lag_s``, the
+seconds since that version's publication (the admission latency whenever pacing held groups back).
 
 The dead-letter brake (``brake.BrakePolicy``) reads the ``{p}:dead`` entries of its window on
 every step; while it is engaged nothing is emitted, ``{p}:prompt_buffer:brake`` (read by
@@ -36,7 +38,7 @@ from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.streams import ensure_group
 from shared.telemetry import Heartbeat, MetricGauges, report_metrics
-from shared.versionbus import VersionWatcher, read_latest, version_index
+from shared.versionbus import VersionWatcher, parse_version, version_index
 
 log = logging.getLogger(__name__)
 SERVICE = "prompt-buffer"
@@ -80,6 +82,11 @@ class PromptBuffer:
         self._waiting_logged = False
         self._last_report = 0.0
         self.last_capacity = 0
+        self.published_at: float | None = None  # of the newest version, as read by the last ``room``
+        self._redis_time: tuple[int, int] | None = None  # the Redis clock, read with it
+        self._cursor: Cursor | None = None  # as the last ``emit`` read or wrote it (this step only)
+        self._emitted_at = 0.0
+        self._lag_version: int | None = None  # the version whose admission lag was reported last
 
     # --- reading state -------------------------------------------------------------------
 
@@ -90,28 +97,39 @@ class PromptBuffer:
     def cursor(self) -> Cursor:
         return self._parse_cursor(self.r.hgetall(self.cursor_key))
 
-    def inputs(self) -> PacingInputs:
-        latest = read_latest(self.r, self.keys)
-        log_len = int(self.r.xlen(self.keys.weights_log)) if latest is not None else 0
-        values = self.r.hmget(self.stats_key, list(COUNTERS))
-        counts = [_int(v, f"{self.stats_key}.{name}") for v, name in zip(values, COUNTERS, strict=True)]
-        return PacingInputs(version_index(latest.version if latest else None, log_len), *counts)
-
     def room(self) -> tuple[int, PacingInputs]:
-        """How many groups may be emitted now, and the counters it was computed from."""
-        state = self.inputs()
+        """How many groups may be emitted now, and the counters it was computed from.
+
+        Everything a pacing decision reads (the newest version, the counters, the prompt stream's
+        length, the Redis clock for the brake) comes back in one pipelined round trip: each extra
+        round trip delayed the admission that follows a publication (docs/benchmarks.md)."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.weights_latest)
+            pipe.xlen(self.keys.weights_log)
+            pipe.hmget(self.stats_key, list(COUNTERS))
+            pipe.xlen(self.keys.prompts)
+            pipe.time()
+            raw_latest, log_len, values, prompts_len, self._redis_time = pipe.execute()
+        latest = parse_version(raw_latest)
+        self.published_at = latest.published_at if latest is not None else None
+        counts = [_int(v, f"{self.stats_key}.{name}") for v, name in zip(values, COUNTERS, strict=True)]
+        state = PacingInputs(version_index(latest.version if latest else None, int(log_len) if latest else 0), *counts)
         capacity = self.policy.capacity(state)
-        stream_room = self.cfg.max_stream_len - int(self.r.xlen(self.keys.prompts))
+        stream_room = self.cfg.max_stream_len - int(prompts_len)
         self.last_capacity = max(0, min(capacity, stream_room))
         return self.last_capacity, state
 
     def check_brake(self) -> bool:
-        """Count the dead letters of the brake window (Redis clock); True while admissions are paused."""
+        """Count the dead letters of the brake window (Redis clock, as read by the last ``room``); True
+        while admissions are paused."""
         if not self.brake.enabled:
             return False
-        sec, usec = self.r.time()
+        sec, usec = self._redis_time if self._redis_time is not None else self.r.time()
         start_ms = max(0, int(sec) * 1000 + int(usec) // 1000 - int(self.brake.window_s * 1000))
-        entries = self.r.xrange(self.keys.dead, min=f"{start_ms}-0", max="+", count=self.brake.limit + 1)
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.xrange(self.keys.dead, min=f"{start_ms}-0", max="+", count=self.brake.limit + 1)
+            pipe.exists(self.brake_key)
+            entries, brake_key_exists = pipe.execute()
         engaged = self.brake.engaged(self.braked, len(entries))
         if engaged:
             self.brake_why = why((_field(f, "reason") for _, f in entries), len(entries), self.brake)
@@ -124,7 +142,7 @@ class PromptBuffer:
                 self.brake_why = ""
             self.braked = engaged
             self._last_report = 0.0  # the change shows in the metrics at once
-        if engaged or self.r.exists(self.brake_key):
+        if engaged or brake_key_exists:
             self.r.hset(self.brake_key, mapping={"engaged": int(engaged), "why": self.brake_why,
                                                  "recent": len(entries), "limit": self.brake.limit,
                                                  "window_s": self.brake.window_s, "updated_at": f"{self.clock():.3f}"})
@@ -144,8 +162,9 @@ class PromptBuffer:
                     items, after = self.schedule.take(cursor, limit)
                     if not items:
                         pipe.reset()
+                        self._cursor = cursor
                         return 0
-                    now = self.clock()
+                    now = self._emitted_at = self.clock()
                     groups = [prompt_group(self.rows[i], e, i, self.cfg.n_samples, now) for e, i in items]
                     pipe.multi()
                     for g in groups:
@@ -156,6 +175,7 @@ class PromptBuffer:
                     pipe.execute()
                 except redis.WatchError:
                     continue  # another buffer moved the cursor: recompute from the new one
+                self._cursor = after
                 for g in groups:
                     log.debug("emitted group_id=%s attempt=0 prompt_id=%s", g.group_id, g.prompt_id)
                 log.info("emitted %d group(s) group_id=%s..%s cursor=epoch %d position %d", len(groups),
@@ -164,6 +184,7 @@ class PromptBuffer:
 
     def step(self) -> int:
         """One pacing decision and emission; returns how many groups were emitted."""
+        self._cursor = None
         room, state = self.room()
         if state.version_index is None:
             if not self._waiting_logged:
@@ -175,15 +196,22 @@ class PromptBuffer:
             self._report(state, 0)
             return 0
         emitted = self.emit(min(room, self.chunk))
-        self._report(state, emitted)
+        lag = None
+        if emitted and self.published_at is not None and state.version_index != self._lag_version:
+            lag = self._emitted_at - self.published_at  # first admission under this version
+            self._lag_version = state.version_index
+        self._report(state, emitted, lag)
         return emitted
 
-    def _report(self, state: PacingInputs, emitted: int) -> None:
+    def _report(self, state: PacingInputs, emitted: int, admit_lag_s: float | None = None) -> None:
         now = time.monotonic()
         if emitted == 0 and now - self._last_report < 5.0:
             return
         self._last_report = now
-        metrics = {"prompt_buffer/groups_produced": state.groups_produced + emitted,
+        metrics: dict[str, float] = {}
+        if admit_lag_s is not None:  # seconds from the newest version's publication to its first admission
+            metrics["prompt_buffer/admit_lag_s"] = round(admit_lag_s, 5)
+        metrics |= {"prompt_buffer/groups_produced": state.groups_produced + emitted,
                    "prompt_buffer/in_flight": state.in_flight + emitted,
                    "prompt_buffer/capacity": self.last_capacity - emitted,
                    "prompt_buffer/version_index": -1 if state.version_index is None else state.version_index,
@@ -206,7 +234,7 @@ class PromptBuffer:
         def step() -> bool:
             nonlocal total
             emitted = self.step()
-            cursor = self.cursor()
+            cursor = self._cursor if self._cursor is not None else self.cursor()  # emit's, under WATCH
             exhausted = self.schedule.exhausted(cursor)
             self._heartbeat.beat({"epoch": cursor.epoch, "position": cursor.position,
                                   "capacity": self.last_capacity, "exhausted": exhausted, "paused": self.brake_why})

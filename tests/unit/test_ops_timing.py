@@ -96,6 +96,23 @@ def test_summary_lines_show_percentages() -> None:
     assert "workers wait 16.00s per group on the proxy" in line
 
 
+def test_the_rollout_chain_is_averaged_over_the_loop_only() -> None:
+    # the trainer loop ran from 1020 to 1040 s (its last row: wall 20 s at 1040)
+    chain = [{"service": "prompt-buffer", "ts": 1025.0, "prompt_buffer/admit_lag_s": 0.004},
+             {"service": "prompt-buffer", "ts": 1035.0, "prompt_buffer/admit_lag_s": 0.008},
+             {"service": "prompt-buffer", "ts": 1015.0, "prompt_buffer/admit_lag_s": 9.0},  # before the loop
+             {"service": "group-collector", "ts": 1035.0, "staleness/time_prompt_queue_s_max": 0.005,
+              "staleness/time_rollout_s_max": 0.050}]
+    split = decompose(rows() + chain)
+    assert split.chain == pytest.approx({"admit_lag": 0.006, "batch_queue_max": 0.005, "batch_rollout_max": 0.050})
+    cols = columns(split)
+    assert cols["admit_lag_ms"] == pytest.approx(6.0) and cols["batch_rollout_max_ms"] == pytest.approx(50.0)
+    assert columns(decompose(rows()))["admit_lag_ms"] is None  # not measured: blank, never 0
+    pairs = dict(summary_pairs(split))
+    assert pairs["rollout chain per batch: admission after a publication / slowest group's queue / its rollout"] \
+        == "6.0 ms / 5.0 ms / 50.0 ms"
+
+
 def test_engine_fraction_covers_only_the_trainer_loop() -> None:
     # samples long before the trainer started and long after it ended (start-up, final eval) are left out
     extra = [{"service": "ops", "ts": 900.0, "engine/busy_s": 0.0},

@@ -101,3 +101,37 @@ def test_corrupt_cursor_is_reported_with_its_key(r: fakeredis.FakeRedis) -> None
     r.hset("t:prompt_buffer:cursor", "position", "abc")
     with pytest.raises(DressageError, match="t:prompt_buffer:cursor.position"):
         buffer(r).step()
+
+
+def lags(r: fakeredis.FakeRedis) -> list[float]:
+    rows = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange("t:metrics")]
+    return [float(row["prompt_buffer/admit_lag_s"]) for row in rows if "prompt_buffer/admit_lag_s" in row]
+
+
+def test_the_first_admission_under_a_version_reports_its_lag_after_the_publication(r: fakeredis.FakeRedis) -> None:
+    publish(r, 0)  # published at 1.0; the buffer's clock says 42.0
+    pb = buffer(r, eta=0, gpv=3, chunk=2)
+    assert pb.step() == 2 and pb.step() == 1  # version 0's three groups, in two emissions
+    assert lags(r) == [41.0]  # only the first admission under version 0 measures the reaction
+    assert pb.step() == 0 and lags(r) == [41.0]  # nothing admitted: nothing measured
+    r.hset("t:stats", "groups_trained", 3)
+    publish_version(r, Keys("t"), WeightVersion(version="1", path="/ckpt/1", step=1, published_at=41.75))
+    assert pb.step() == 2
+    assert lags(r) == [41.0, 0.25]
+
+
+def test_a_pacing_step_reads_its_inputs_in_one_round_trip(r: fakeredis.FakeRedis) -> None:
+    publish(r, 0)
+    pb = buffer(r, eta=0, gpv=3)
+    calls: list[str] = []
+    execute = r.execute_command
+
+    def counting(*args, **kwargs):
+        calls.append(str(args[0]))
+        return execute(*args, **kwargs)
+
+    r.execute_command = counting  # single commands; pipelines go through their own path
+    assert pb.step() == 3
+    # inputs and Redis clock: one pipeline; the brake's read: another; the emission: its transaction.
+    # Outside pipelines only the metrics report is left
+    assert "GET" not in calls and "XLEN" not in calls and "HMGET" not in calls and "TIME" not in calls
