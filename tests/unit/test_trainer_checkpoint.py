@@ -185,7 +185,7 @@ def test_pinned_names_match_published_relative_and_symlinked_paths(tmp_path: Pat
     (tmp_path / "elsewhere" / "v9").mkdir(parents=True)
     (tmp_path / "via").symlink_to(root)
     monkeypatch.chdir(tmp_path)
-    referenced = [str((root / "v1").resolve()),  # as the trainer publishes it: no system call
+    referenced: list[str | Path] = [str((root / "v1").resolve()),  # as the trainer publishes it: no system call
                   "ckpt/v2",  # relative to the working directory
                   tmp_path / "via" / "v3",  # through a symlink to the root
                   root / "sub" / ".." / "v4",  # folded lexically
