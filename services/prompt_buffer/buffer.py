@@ -83,7 +83,6 @@ class PromptBuffer:
         self._last_report = 0.0
         self.last_capacity = 0
         self.published_at: float | None = None  # of the newest version, as read by the last ``room``
-        self._redis_time: tuple[int, int] | None = None  # the Redis clock, read with it
         self._cursor: Cursor | None = None  # as the last ``emit`` read or wrote it (this step only)
         self._emitted_at = 0.0
         self._lag_version: int | None = None  # the version whose admission lag was reported last
@@ -100,16 +99,16 @@ class PromptBuffer:
     def room(self) -> tuple[int, PacingInputs]:
         """How many groups may be emitted now, and the counters it was computed from.
 
-        Everything a pacing decision reads (the newest version, the counters, the prompt stream's
-        length, the Redis clock for the brake) comes back in one pipelined round trip: each extra
-        round trip delayed the admission that follows a publication (docs/benchmarks.md)."""
+        Everything a pacing decision reads (the newest version, its log's length, the counters, the
+        prompt stream's length) comes back in one pipelined round trip: each extra round trip delayed
+        the admission that follows a publication (docs/benchmarks.md). Only keyed commands go in it:
+        a cluster client refuses to pipeline keyless ones such as TIME."""
         with self.r.pipeline(transaction=False) as pipe:
             pipe.get(self.keys.weights_latest)
             pipe.xlen(self.keys.weights_log)
             pipe.hmget(self.stats_key, list(COUNTERS))
             pipe.xlen(self.keys.prompts)
-            pipe.time()
-            raw_latest, log_len, values, prompts_len, self._redis_time = pipe.execute()
+            raw_latest, log_len, values, prompts_len = pipe.execute()
         latest = parse_version(raw_latest)
         self.published_at = latest.published_at if latest is not None else None
         counts = [_int(v, f"{self.stats_key}.{name}") for v, name in zip(values, COUNTERS, strict=True)]
@@ -120,11 +119,10 @@ class PromptBuffer:
         return self.last_capacity, state
 
     def check_brake(self) -> bool:
-        """Count the dead letters of the brake window (Redis clock, as read by the last ``room``); True
-        while admissions are paused."""
+        """Count the dead letters of the brake window (Redis clock); True while admissions are paused."""
         if not self.brake.enabled:
             return False
-        sec, usec = self._redis_time if self._redis_time is not None else self.r.time()
+        sec, usec = self.r.time()
         start_ms = max(0, int(sec) * 1000 + int(usec) // 1000 - int(self.brake.window_s * 1000))
         with self.r.pipeline(transaction=False) as pipe:
             pipe.xrange(self.keys.dead, min=f"{start_ms}-0", max="+", count=self.brake.limit + 1)

@@ -132,6 +132,6 @@ def test_a_pacing_step_reads_its_inputs_in_one_round_trip(r: fakeredis.FakeRedis
 
     r.execute_command = counting  # single commands; pipelines go through their own path
     assert pb.step() == 3
-    # inputs and Redis clock: one pipeline; the brake's read: another; the emission: its transaction.
-    # Outside pipelines only the metrics report is left
+    # the inputs: one pipeline; the emission: its transaction. Outside them only the metrics report
+    # (and, with the brake on, the Redis clock: a cluster client cannot pipeline TIME)
     assert "GET" not in calls and "XLEN" not in calls and "HMGET" not in calls and "TIME" not in calls
