@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.ops import experiment_summary as summ
+from services.ops import timing
 from services.ops.experiment_spec import Spec
 from services.ops.intervals import Interval, NoData, mean_interval, ratio_interval
 from services.ops.metricslog import load_rows
@@ -198,17 +199,14 @@ def decomposition_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list
     return out
 
 
-CHAIN_COLUMNS = (("admit_lag_ms", "admission after a publication"), ("batch_queue_max_ms", "slowest group's queue"),
-                 ("batch_rollout_max_ms", "slowest group's rollout"))
-
-
 def chain_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """A batch's trip through the pipeline (ms, mean [95 % interval]) beside the trainer's step time."""
-    out = [["variant", "trainer step", *[label for _, label in CHAIN_COLUMNS]]]
+    """A batch's trip through the pipeline (ms, mean [95 % interval]) beside the trainer's step time
+    (its wall-clock to the last step over the steps, so runs stopped by accuracy count too)."""
+    out = [["variant", "trainer step", *[label for _, label in timing.CHAIN.values()]]]
     for v in spec.variants:
         steps = [1000 * w / k for r in rows if r.get("variant") == v
-                 and (w := number(r.get("wall_to_k_s"))) and (k := number(r.get("steps")))]
-        means = [_mean(steps), *[_mean(summ.values(rows, v, col)) for col, _ in CHAIN_COLUMNS]]
+                 and (w := number(r.get("wall_clock_s"))) and (k := number(r.get("steps")))]
+        means = [_mean(steps), *[_mean(summ.values(rows, v, f"{link}_ms")) for link in timing.CHAIN]]
         out.append([v, *["-" if iv is None else iv.text(1, " ms") for iv in means]])
     return out
 

@@ -31,9 +31,10 @@ from services.ops.series import Row, number, trainer_rows
 from shared.config import LOCAL_SERVICES
 
 TRAINER_PHASES = ("wait", "train", "checkpoint", "publish", "other")
-# The rollout chain's links: column name -> the metric averaged over the loop's reports.
-CHAIN = {"admit_lag": "prompt_buffer/admit_lag_s", "batch_queue_max": "staleness/time_prompt_queue_s_max",
-         "batch_rollout_max": "staleness/time_rollout_s_max"}
+# The rollout chain's links: column name -> (the metric averaged over the loop's reports, its label).
+CHAIN = {"admit_lag": ("prompt_buffer/admit_lag_s", "admission after a publication"),
+         "batch_queue_max": ("staleness/time_prompt_queue_s_max", "slowest group's queue"),
+         "batch_rollout_max": ("staleness/time_rollout_s_max", "slowest group's rollout")}
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def decompose(rows: Sequence[Row], slots: int | None = None) -> TimeSplit:
         length = (max(ts) - min(ts)) if ts else 0.0
     groups = [v for v in (number(r.get("rollout/group_seconds")) for r in in_loop) if v is not None]
     chain = {}
-    for link, metric in CHAIN.items():
+    for link, (metric, _) in CHAIN.items():
         values = [v for v in (number(r.get(metric)) for r in in_loop) if v is not None]
         if values:
             chain[link] = sum(values) / len(values)
