@@ -343,6 +343,10 @@ class OpsConfig(Section):
     # niceness added to each named service started by `dressage up`, 0..19 (higher = yields the CPU sooner),
     # e.g. {eval-worker: 10}; unset = the supervisor's own. Only shares contended cores: idle ones are still used
     service_nice: dict[str, int] = Field(default_factory=dict)
+    # Linux CPU scheduling policy per service started by `dressage up`: "batch" (SCHED_BATCH: never preempts
+    # on wake-up) or "idle" (SCHED_IDLE: runs only on a core no normal task wants), e.g. {engine: idle};
+    # unset = normal. Lets the rollout side yield a contended core to the trainer at once (docs/benchmarks.md)
+    service_sched: dict[str, Literal["batch", "idle"]] = Field(default_factory=dict)
 
     @field_validator("service_threads")
     @classmethod
@@ -353,6 +357,14 @@ class OpsConfig(Section):
     @classmethod
     def _known_services_nice(cls, value: dict[str, int]) -> dict[str, int]:
         return _per_service(value, 0, 19, "nice")
+
+    @field_validator("service_sched")
+    @classmethod
+    def _known_services_sched(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name not in LOCAL_SERVICES:
+                raise ValueError(f"unknown service {name!r} (known: {', '.join(LOCAL_SERVICES)})")
+        return value
 
 
 class DressageConfig(Section):

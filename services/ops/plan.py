@@ -105,7 +105,8 @@ def _factory(cfg: DressageConfig, c: RunChoices) -> Callable[..., ProcessSpec]:
         if threads is not None:  # torch reads these at import: intra-op threads of this process
             penv.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
-                           nice=cfg.ops.service_nice.get(service, 0), **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
+                           nice=cfg.ops.service_nice.get(service, 0),
+                           sched=cfg.ops.service_sched.get(service), **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
 
     return proc
 

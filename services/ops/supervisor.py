@@ -59,6 +59,7 @@ class ProcessSpec:
     optional: bool = False  # its failure is reported (``Supervisor.degraded``), never fatal to the run
     cwd: str | None = None
     nice: int = 0  # added to the child's niceness before exec (0..19): lower CPU priority under contention
+    sched: str | None = None  # Linux scheduling policy set before exec: "batch" or "idle" (SCHED_*); None = normal
 
 
 @dataclass(frozen=True)
@@ -121,16 +122,23 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
-def _child_setup(nice: int) -> Callable[[], None]:
-    """What the child runs between fork and exec: the parent-death signal (Linux) and its niceness.
-    Set before exec, so every thread the service later starts (torch's included) inherits it."""
+SCHED_POLICIES = {"batch": "SCHED_BATCH", "idle": "SCHED_IDLE"}  # ops.service_sched values -> os constants
+
+
+def _child_setup(nice: int, sched: str | None = None) -> Callable[[], None]:
+    """What the child runs between fork and exec: the parent-death signal (Linux), its niceness and its
+    scheduling policy. Set before exec, so every thread the service later starts (torch's included)
+    inherits them. A policy this platform lacks (not Linux) is left out: the service runs as normal."""
     linux = sys.platform.startswith("linux")
+    policy = getattr(os, SCHED_POLICIES[sched], None) if sched else None
 
     def setup() -> None:  # pragma: no cover - runs in the child between fork and exec
         if linux:
             _die_with_parent()
         if nice:
             os.nice(nice)
+        if policy is not None:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
 
     return setup
 
@@ -181,7 +189,7 @@ class Supervisor:
         child.proc = subprocess.Popen(
             list(spec.argv), env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
             stderr=subprocess.STDOUT if out else None, start_new_session=True,
-            preexec_fn=_child_setup(spec.nice))
+            preexec_fn=_child_setup(spec.nice, spec.sched))
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started %s pid=%d", spec.name, child.proc.pid)

@@ -79,6 +79,20 @@ def test_a_child_runs_at_its_niceness_above_the_supervisors_own(tmp_path: Path) 
     assert f"nice {min(19, own + 7)}" in log and f"thread {min(19, own + 7)}" in log  # threads inherit it
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_child_and_its_threads_run_under_its_scheduling_policy(tmp_path: Path) -> None:
+    code = "import os, threading\nprint('policy', os.sched_getscheduler(0), flush=True)\n" \
+           "t = threading.Thread(target=lambda: print('thread', os.sched_getscheduler(0), flush=True))\n" \
+           "t.start(); t.join()\nimport time\ntime.sleep(1)  # the plain one has printed by then"
+    sup = Supervisor([spec("idle", code, tmp_path, ends_run=True, sched="idle"),
+                      spec("plain", "import os\nprint('policy', os.sched_getscheduler(0), flush=True)\n"
+                           "import time\ntime.sleep(30)", tmp_path)], grace_s=5)
+    assert run_until(sup).outcome == "finished"
+    log = (tmp_path / "idle.log").read_text()
+    assert f"policy {os.SCHED_IDLE}" in log and f"thread {os.SCHED_IDLE}" in log  # threads inherit it
+    assert f"policy {os.SCHED_OTHER}" in (tmp_path / "plain.log").read_text()
+
+
 def test_may_finish_exit_zero_keeps_the_run_going(tmp_path: Path) -> None:
     sup = Supervisor([spec("buffer", "pass", tmp_path, may_finish=True),
                       spec("trainer", "import time\ntime.sleep(0.8)", tmp_path, ends_run=True)], grace_s=5)

@@ -81,6 +81,21 @@ def test_service_nice_refuses_unknown_services_and_out_of_range_values(bad: dict
         load_config("configs/cpu-demo.yaml", env={}, overrides={"ops": {"service_nice": bad}})
 
 
+def test_service_sched_sets_the_policy_of_those_services_only(tmp_path: Path) -> None:
+    cfg = load_config("configs/cpu-demo.yaml", env={}, overrides={"ops": {"service_sched": {"engine": "idle",
+                                                                                            "rollout-worker": "batch"}}})
+    by = {s.name: s.sched for s in build_plan(cfg, choices(tmp_path))}
+    assert by["engine"] == "idle" and by["rollout-worker-1"] == by["rollout-worker-2"] == "batch"
+    assert by["trainer"] is None and by["proxy"] is None
+
+
+@pytest.mark.parametrize("bad, named", [({"trainer": "fifo"}, "service_sched.trainer"),
+                                        ({"trainr": "idle"}, "unknown service 'trainr'")])
+def test_service_sched_refuses_unknown_services_and_policies(bad: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_config("configs/cpu-demo.yaml", env={}, overrides={"ops": {"service_sched": bad}})
+
+
 def test_progress_tick_samples_the_probe_into_the_ops_row(tmp_path: Path) -> None:
     r = fakeredis.FakeRedis()
     keys = Keys("p")
