@@ -316,11 +316,17 @@ class EvalConfig(Section):
         return self.every_versions > 0 and self.defer
 
 
-def _per_service(value: dict[str, int], low: int, high: int, what: str) -> dict[str, int]:
-    """A per-service setting of ``dressage up``: known service names, values within [low, high]."""
-    for name, n in value.items():
+def _check_service_names(value: dict[str, Any]) -> None:
+    """A per-service setting of ``dressage up`` names only services it starts."""
+    for name in value:
         if name not in LOCAL_SERVICES:
             raise ValueError(f"unknown service {name!r} (known: {', '.join(LOCAL_SERVICES)})")
+
+
+def _per_service(value: dict[str, int], low: int, high: int, what: str) -> dict[str, int]:
+    """A per-service number of ``dressage up``: known service names, values within [low, high]."""
+    _check_service_names(value)
+    for name, n in value.items():
         if not low <= n <= high:
             raise ValueError(f"{name}: {what} must be between {low} and {high}, got {n}")
     return value
@@ -361,9 +367,7 @@ class OpsConfig(Section):
     @field_validator("service_sched")
     @classmethod
     def _known_services_sched(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if name not in LOCAL_SERVICES:
-                raise ValueError(f"unknown service {name!r} (known: {', '.join(LOCAL_SERVICES)})")
+        _check_service_names(value)
         return value
 
 
