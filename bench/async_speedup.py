@@ -1,7 +1,7 @@
 """Async vs sync RL on this machine: the quick preset of configs/experiments/async-vs-sync.yaml.
 
 Runs ``dressage experiment configs/experiments/async-vs-sync.yaml --quick`` (sync and async η = 1 with
-live updates and the commit thread, 3 seeds, 60 trainer steps each, one run at a time; ≤ 10 minutes on
+live updates and the commit thread, 5 seeds, 100 trainer steps each, one run at a time; ≤ 10 minutes on
 two quiet cores), builds the
 tiny warm-started model first if it is missing, and prints the experiment's ratio and
 time-decomposition tables, then as its last line::

@@ -351,7 +351,8 @@ class OpsConfig(Section):
     service_nice: dict[str, int] = Field(default_factory=dict)
     # Linux CPU scheduling policy per service started by `dressage up`: "batch" (SCHED_BATCH: never preempts
     # on wake-up) or "idle" (SCHED_IDLE: runs only on a core no normal task wants), e.g. {engine: idle};
-    # unset = normal. Lets the rollout side yield a contended core to the trainer at once (docs/benchmarks.md)
+    # unset = normal. Lets the rollout side yield a contended core to the trainer at once (docs/benchmarks.md).
+    # Both rank the run's services against each other: `dressage up` keeps them in one session (docs/operations.md)
     service_sched: dict[str, Literal["batch", "idle"]] = Field(default_factory=dict)
 
     @field_validator("service_threads")

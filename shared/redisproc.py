@@ -63,8 +63,10 @@ class RedisProcess:
         if self.password:
             args += ["--requirepass", self.password]
         args += self.extra
+        # Its own process group, not its own session: a new session is a new scheduler autogroup, and
+        # the server would then share the CPU with the run's services as a peer group (docs/operations.md).
         self.proc = subprocess.Popen([str(a) for a in args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, process_group=0)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -3,9 +3,12 @@
 Contract:
 * processes start tier by tier (lowest first); a tier whose processes have a ``ready`` probe is
   waited for (probe true, or the process dies / times out -> ``ServiceFailed``) before the next starts;
-* every child runs in its own session (process group), so Ctrl-C reaches only the supervisor, which
-  then stops the children itself: SIGTERM to every process of the highest tier, wait up to
-  ``grace_s``, SIGKILL what is left, then the next tier down (workers stop before the proxy they use);
+* every child runs in its own process group, so Ctrl-C reaches only the supervisor, which then stops
+  the children itself: SIGTERM to every process of the highest tier, wait up to ``grace_s``, SIGKILL
+  what is left, then the next tier down (workers stop before the proxy they use);
+* every child stays in the supervisor's session: on Linux a session is a scheduler autogroup, and a
+  service in a session of its own would share the CPU with the others as a peer group, whatever its
+  ``nice`` or ``sched`` (they then only rank threads inside the service);
 * a child that exits ends the run: exit 0 of an ``ends_run`` process is success; exit 0 of a
   ``may_finish`` process is noted and the others keep running; any other exit is a failure naming the
   process, its exit code and the last lines of its log -- unless ``restart`` is on, in which case it is
@@ -188,7 +191,7 @@ class Supervisor:
         child.log_fh = out
         child.proc = subprocess.Popen(
             list(spec.argv), env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT if out else None, start_new_session=True,
+            stderr=subprocess.STDOUT if out else None, process_group=0,
             preexec_fn=_child_setup(spec.nice, spec.sched))
         child.started_at = time.monotonic()
         child.restart_at = None
@@ -373,7 +376,7 @@ class Supervisor:
     def _signal(child: _Child, sig: int, group_only: bool = False) -> None:
         assert child.proc is not None
         try:
-            os.killpg(child.proc.pid, sig)  # own session: pgid == pid
+            os.killpg(child.proc.pid, sig)  # own process group: pgid == pid
         except (ProcessLookupError, PermissionError):
             if not group_only and child.proc.poll() is None:
                 child.proc.send_signal(sig)

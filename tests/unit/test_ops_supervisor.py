@@ -93,6 +93,19 @@ def test_a_child_and_its_threads_run_under_its_scheduling_policy(tmp_path: Path)
     assert f"policy {os.SCHED_OTHER}" in (tmp_path / "plain.log").read_text()
 
 
+def test_a_child_has_its_own_process_group_in_the_supervisors_session(tmp_path: Path) -> None:
+    code = "import os\nprint('ids', os.getpid(), os.getpgid(0), os.getsid(0), flush=True)\n" \
+           "ag = '/proc/self/autogroup'\nprint('autogroup', open(ag).read().split()[0] if os.path.exists(ag) else '-')"
+    sup = Supervisor([spec("child", code, tmp_path, ends_run=True)], grace_s=5)
+    assert run_until(sup).outcome == "finished"
+    log = (tmp_path / "child.log").read_text()
+    pid, pgid, sid = (int(x) for x in log.split("ids ", 1)[1].split()[:3])
+    assert pgid == pid  # its own group: Ctrl-C at a terminal reaches the supervisor only, killpg reaches it all
+    assert sid == os.getsid(0)  # not its own session: on Linux a new session is a new scheduler autogroup
+    if os.path.exists("/proc/self/autogroup"):
+        assert log.split("autogroup ", 1)[1].split()[0] == Path("/proc/self/autogroup").read_text().split()[0]
+
+
 def test_may_finish_exit_zero_keeps_the_run_going(tmp_path: Path) -> None:
     sup = Supervisor([spec("buffer", "pass", tmp_path, may_finish=True),
                       spec("trainer", "import time\ntime.sleep(0.8)", tmp_path, ends_run=True)], grace_s=5)
