@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import re
 import shutil
@@ -34,6 +33,11 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.ops.metricslog import load_rows  # noqa: E402
+from services.ops.series import trainer_rows  # noqa: E402
+
 POLICIES = {0: "normal", 1: "fifo", 2: "rr", 3: "batch", 5: "idle"}
 DEFAULT_SPEC = "configs/experiments/async-vs-sync.yaml"
 DEFAULT_OUT = "runs/sched-probe"
@@ -73,7 +77,6 @@ class Sampler:
     def __init__(self) -> None:
         self.series: dict[tuple[int, int], list[tuple[float, int, int]]] = defaultdict(list)
         self.labels: dict[tuple[int, int], tuple[str, str, str, str]] = {}
-        self.proc_run: dict[int, str] = {}
         self.proc_label: dict[int, tuple[str, str]] = {}
 
     def _label_process(self, pid: int) -> tuple[str, str] | None:
@@ -83,10 +86,9 @@ class Sampler:
         m = RUN_DIR.search(cmd)
         run = m.group(1) if m else None
         if run is None:  # the private redis-server: its parent is the run's `dressage up`
-            run = self.proc_run.get(_ppid(pid) or 0)
+            run = self.proc_label.get(_ppid(pid) or 0, (None, ""))[0]
         if run is None:
             return None
-        self.proc_run[pid] = run
         words = cmd.split()
         service = words[words.index("services") + 1] if "services" in words else Path(words[0]).name
         self.proc_label[pid] = (run, service)
@@ -119,7 +121,8 @@ class Sampler:
 
 
 def _at(series: list[tuple[float, int, int]], t: float) -> tuple[float, float] | None:
-    """The (cpu, wait) seconds a thread had accumulated at time t, interpolated; None outside its life."""
+    """The (cpu, wait) seconds a thread had accumulated at time t, interpolated; None before its first
+    sample (it was born after t), its last sample's values after its end."""
     if not series or t < series[0][0] - 1.0:
         return None
     prev = series[0]
@@ -136,17 +139,11 @@ def _at(series: list[tuple[float, int, int]], t: float) -> tuple[float, float] |
 
 def trainer_window(run_dir: Path) -> tuple[float, float] | None:
     """Start of the trainer's first step to the end of its last, from the run's metrics."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    steps = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("service") == "trainer" and "train/step" in row:
-            steps.append((float(row["ts"]), float(row.get("time/wall_s", 0.0))))
+    steps = trainer_rows(load_rows(run_dir / "metrics.jsonl"))  # a torn last line (crash) is skipped there
     if len(steps) < 2:
         return None
-    return steps[0][0] - steps[0][1], steps[-1][0]
+    first, last = steps[0], steps[-1]
+    return float(first["ts"]) - float(first.get("time/wall_s", 0.0)), float(last["ts"])
 
 
 def window_rows(sampler: Sampler) -> list[dict]:
