@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.ops.metricslog import load_rows  # noqa: E402
+from services.ops.probes import parent_pid, process_children  # noqa: E402
 from services.ops.series import trainer_rows  # noqa: E402
 
 POLICIES = {0: "normal", 1: "fifo", 2: "rr", 3: "batch", 5: "idle"}
@@ -52,17 +53,9 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _ppid(pid: int) -> int | None:
-    stat = _read(f"/proc/{pid}/stat")
-    return int(stat.rsplit(")", 1)[1].split()[1]) if stat and ")" in stat else None
-
-
 def _descendants(root: int) -> list[int]:
     """root and every process below it (one scan of /proc's parent links)."""
-    kids: dict[int, list[int]] = defaultdict(list)
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (ppid := _ppid(int(name))) is not None:
-            kids[ppid].append(int(name))
+    kids = process_children()
     seen, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -86,7 +79,7 @@ class Sampler:
         m = RUN_DIR.search(cmd)
         run = m.group(1) if m else None
         if run is None:  # the private redis-server: its parent is the run's `dressage up`
-            run = self.proc_label.get(_ppid(pid) or 0, (None, ""))[0]
+            run = self.proc_label.get(parent_pid(pid) or 0, (None, ""))[0]
         if run is None:
             return None
         words = cmd.split()

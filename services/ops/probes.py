@@ -58,12 +58,18 @@ def _ticks(fields: list[str] | None) -> int | None:
         return None
 
 
-def _children(proc: Path) -> dict[int, list[int]]:
+def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The parent of a live process; None when it is gone or unreadable."""
+    fields = _stat_fields(pid, proc)
+    return int(fields[1]) if fields is not None and len(fields) > 1 else None
+
+
+def process_children(proc: Path = Path("/proc")) -> dict[int, list[int]]:
     """ppid -> live child pids, from one scan of ``/proc``."""
     out: dict[int, list[int]] = {}
     for entry in proc.iterdir():
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name), proc)) is not None and len(fields) > 1:
-            out.setdefault(int(fields[1]), []).append(int(entry.name))
+        if entry.name.isdigit() and (ppid := parent_pid(int(entry.name), proc)) is not None:
+            out.setdefault(ppid, []).append(int(entry.name))
     return out
 
 
@@ -74,7 +80,7 @@ def cpu_seconds(pid: int, proc: Path = Path("/proc"), children: dict[int, list[i
     ticks = _ticks(_stat_fields(pid, proc))
     if ticks is None:
         return None
-    tree = _children(proc) if children is None else children
+    tree = process_children(proc) if children is None else children
     todo, seen = list(tree.get(pid, [])), {pid}
     while todo:
         child = todo.pop()
@@ -93,7 +99,7 @@ def service_of(process: str) -> str:
 
 def cpu_by_service(pids: Mapping[str, int], proc: Path = Path("/proc")) -> dict[str, float]:
     out: dict[str, float] = {}
-    tree = _children(proc) if pids else {}
+    tree = process_children(proc) if pids else {}
     for name, pid in pids.items():
         seconds = cpu_seconds(pid, proc, tree)
         if seconds is not None:

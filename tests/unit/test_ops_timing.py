@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.probes import cpu_by_service, cpu_seconds
+from services.ops.probes import cpu_by_service, cpu_seconds, parent_pid, process_children
 from services.ops.timing import columns, decompose, one_line, summary_pairs
 from shared.phases import PhaseClock, PhaseNesting
 
@@ -158,6 +158,8 @@ def test_cpu_seconds_count_the_children_a_service_started_live_and_reaped(tmp_pa
     stat(30, 1, 5, 0)  # another service: not a child
     (tmp_path / "self").mkdir()  # non-pid entries of /proc are skipped
     assert cpu_seconds(20, tmp_path) == 1 + 7 + 3 + 1
+    assert parent_pid(22, tmp_path) == 21 and parent_pid(99, tmp_path) is None
+    assert {k: sorted(v) for k, v in process_children(tmp_path).items()} == {1: [20, 30], 20: [21], 21: [22]}
     assert cpu_by_service({"eval-worker": 20, "engine": 30}, tmp_path) == {"cpu/eval-worker_s": 12.0,
                                                                              "cpu/engine_s": 5.0}
 
