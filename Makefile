@@ -10,8 +10,10 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The CPU build of torch first (from local disk here); a bare `torch` would pull a CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# The CPU build of torch first: a bare `torch==2.13.0` takes the index's CUDA build (5 GB of
+	# nvidia-* wheels). The script tries a local +cpu wheel, then the PyTorch CPU index, and falls back
+	# to a CUDA build only with a banner saying so.
+	bash scripts/install-cpu-torch.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 

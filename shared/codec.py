@@ -1,4 +1,4 @@
-"""msgpack codec for stream entries (ARCHITECTURE §5): plain fields for humans, ``body`` for machines.
+"""msgpack codec for stream entries (docs/streams.md): plain fields for humans, ``body`` for machines.
 
 Encoding: each entry carries plain, human-readable fields (``schema``, ``kind``, ``group_id``,
 ``attempt``, ...) so ``redis-cli XRANGE`` shows what is in flight, plus ``body``: the full record as
@@ -159,7 +159,7 @@ def _malformed(exc: ValidationError, where: str) -> MalformedEntry:
 
 
 def _plain(model: BaseModel) -> dict[str, str]:
-    """Human-readable fields of an entry (ARCHITECTURE §5 table)."""
+    """Human-readable fields of an entry (docs/streams.md, stream entries)."""
     if isinstance(model, PromptGroup):
         return {"group_id": model.group_id, "attempt": str(model.attempt), "prompt_id": model.prompt_id,
                 "task": model.task, "n_samples": str(model.n_samples)}

@@ -1,4 +1,4 @@
-"""Redis key names of the wire contract (ARCHITECTURE §4), derived from one prefix.
+"""Redis key names of the wire contract (docs/streams.md#names), derived from one prefix.
 
 Every service builds its names here, so a prefix change moves a whole deployment at once.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Consumer group names (ARCHITECTURE §4).
+# Consumer group names (docs/streams.md#names).
 GROUP_ROLLOUT = "rollout"
 GROUP_COLLECTOR = "collector"
 GROUP_TRAINER = "trainer"

@@ -1,4 +1,4 @@
-"""Wire schemas of contract v2 (ARCHITECTURE §5–6, docs/streams.md): the only shapes that cross a stream.
+"""Wire schemas of contract v2 (docs/streams.md): the only shapes that cross a stream.
 
 Every model forbids unknown fields, so a producer that drifts from the contract is caught at
 the consumer's edge (``shared.codec.decode_entry``) and dead-lettered, never half-read.

@@ -1,4 +1,4 @@
-"""Redis Streams helpers: at-least-once hand-off between services (ARCHITECTURE §7).
+"""Redis Streams helpers: at-least-once hand-off between services (docs/architecture.md#delivery).
 
 Invariants:
 - an input entry is acknowledged only in the same MULTI/EXEC that adds its output (``handoff``)

@@ -1,4 +1,4 @@
-"""Weight-version bus (ARCHITECTURE §6): the key is the truth, pub/sub only wakes subscribers up.
+"""Weight-version bus (docs/architecture.md#weight-versions): the key is the truth, pub/sub only wakes subscribers up.
 
 Publishing sets ``{p}:weights:latest``, appends to ``{p}:weights:log`` and publishes on
 ``{p}:weights`` in one MULTI/EXEC, guarded by WATCH so a version that is not newer than the

@@ -1,4 +1,4 @@
-"""The collector's decision core (pure, no I/O): rollout events in, actions out (reference §2.6).
+"""The collector's decision core (pure, no I/O): rollout events in, actions out (docs/architecture.md#collector-loop-order).
 
 Loop order, an invariant carried over from the seed and tested:
 1. every newly arrived, non-duplicate group is *observed* first (failed ones included);

@@ -3,7 +3,7 @@
 It reads ``{p}:prompts`` (every attempt ever enqueued), ``{p}:batches``, the trainer's record of
 trained batches ``{p}:trainer:trained`` (one entry per acknowledgement, written in the same MULTI as
 the XACK, with the ``batch_ids`` and ``group_ids`` it covers) and ``{p}:dead``, and checks the
-conservation law of ARCHITECTURE §3: every produced group is trained exactly once or dead-lettered
+conservation law of docs/architecture.md#fate-of-a-group: every produced group is trained exactly once or dead-lettered
 (never both), sits in at most one batch, and was attempted at most ``1 + max_retries`` times.
 
 A ``History`` is fed entry by entry and idempotently (``feed``), so a recorder that tails the streams

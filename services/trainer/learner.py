@@ -7,7 +7,7 @@ least ``train.grad_accum`` of them; each micro-batch runs forward + backward and
 accumulates; then the gradient norm is clipped and the optimizer steps once. How a step is cut
 never changes its gradient (token-level mean over the whole step). Because the weights only change at that single ``optimizer.step()``, the
 logprobs every micro-batch computes are the current policy *before* the update: they give
-``train/train_rollout_logprob_abs_diff`` (reference §6.3) and the proximal policy of TIS without a
+``train/train_rollout_logprob_abs_diff`` (docs/architecture.md#logprob-diff) and the proximal policy of TIS without a
 second forward pass. Under the non-last-version loss mask that diff covers the trained (last-version)
 tokens only, so ``train/train_rollout_logprob_abs_diff_all`` also reports it over every response token,
 the set the diff covers without the mask. A step whose gradient is not finite is skipped (weights

@@ -1,6 +1,6 @@
 """The trainer's Redis shell: consume batches → train → checkpoint → acknowledge → publish.
 
-Invariants (ARCHITECTURE §6–7, docs/trainer.md):
+Invariants (docs/architecture.md#weight-versions and #delivery, docs/trainer.md):
 * a batch is acknowledged only after the checkpoint that contains its step is renamed into place:
   XACK and the ``{p}:stats`` counters ``batches_trained``/``groups_trained`` go in one MULTI/EXEC;
 * a version is published only after its checkpoint is complete, and version numbers only grow;

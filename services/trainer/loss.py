@@ -83,7 +83,7 @@ def train_masks(samples: Sequence[Sample], mask_nonlast: bool) -> list[list[int]
 
     With ``mask_nonlast`` the segments of one trajectory are joined in ``segment_index`` order and
     ``shared.staleness.mask_nonlast_version_tokens`` keeps loss only on the tokens of the
-    trajectory's last real version (reference §4.2, applied to the whole trajectory).
+    trajectory's last real version (docs/architecture.md#loss-mask, applied to the whole trajectory).
     """
     masks = [[0, *s.loss_mask[1:]] if s.loss_mask else [] for s in samples]
     if not mask_nonlast:

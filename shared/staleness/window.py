@@ -227,7 +227,7 @@ def _stats(prefix: str, values: list[int]) -> dict[str, float]:
 class StalenessGroupFilter:
     """Applies the tracker's window to whole GRPO groups and counts drops (cumulatively).
 
-    Loop order (reference §2.6): ``observe_completed`` on every newly completed group (failed
+    Loop order (docs/architecture.md#collector-loop-order): ``observe_completed`` on every newly completed group (failed
     ones too); if it returned True, ``filter_pending`` on the groups already waiting; then
     ``keep_group`` on each new group. Do the same after ``observe_published`` or
     ``tracker.set_keep_versions`` so the new window applies to pending groups at once.

@@ -70,8 +70,8 @@ def test_version_spans_empty_and_single() -> None:
 @pytest.mark.parametrize(
     ("mask", "versions", "expected"),
     [
-        ([0, 1, 1, 0, 1], ["-1", "v0", "v1", "-1", "v1"], [0, 0, 1, 0, 1]),  # reference §4.2
-        ([0, 1, 1, 1], ["-1", "v1", "unknown", "v2"], [0, 0, 0, 1]),  # reference §4.2
+        ([0, 1, 1, 0, 1], ["-1", "v0", "v1", "-1", "v1"], [0, 0, 1, 0, 1]),  # docs/architecture.md#loss-mask
+        ([0, 1, 1, 1], ["-1", "v1", "unknown", "v2"], [0, 0, 0, 1]),  # docs/architecture.md#loss-mask
         ([0, 1, 1, 1], ["-1", "v1", "unknown", "v1"], [0, 1, 1, 1]),  # one real version: unchanged
         ([0, 1, 1], ["-1", "-1", "-1"], [0, 1, 1]),  # no real version: unchanged
         ([0, 1, 1], ["-1", " v1", "v1 "], [0, 1, 1]),  # same version once stripped
