@@ -59,7 +59,7 @@ def collector_rate(r: redis.Redis, entries: list[dict[str, bytes]], per_batch: i
     if cpu is not None:
         cpu["process"] = time.process_time() - cpu0
         cpu["redis"] = redis_cpu(r) - rcpu0
-    batched = int(r.hget(keys.custom("stats"), "groups_batched") or 0)
+    batched = int(r.hget(keys.stats, "groups_batched") or 0)
     assert batched == len(entries) - len(entries) % per_batch, f"collector batched {batched}/{len(entries)}"
     for key in r.scan_iter(f"{keys.prefix}:*"):
         r.delete(key)

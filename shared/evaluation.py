@@ -63,7 +63,7 @@ def enqueue_eval(r: redis.Redis, queue: str, checkpoint_path: str, version: str,
 
 
 def pinned_key(prefix: str) -> str:
-    return Keys(prefix).custom("eval", "pinned")
+    return Keys(prefix).eval_pinned
 
 
 def pinned_checkpoints(r: redis.Redis, prefix: str) -> list[str]:

@@ -38,7 +38,7 @@ DEAD_MAXLEN = 100_000  # {p}:dead has no consumer group: capped approximately
 
 def key(keys: Keys) -> str:
     """The ``{p}:stats`` hash."""
-    return keys.custom("stats")
+    return keys.stats
 
 
 def reenqueued_by(why: str) -> str:

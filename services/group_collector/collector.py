@@ -75,7 +75,7 @@ class GroupCollector:
         self.ledger = Ledger(r, keys)
         self.decisions = DecisionLog(r, keys)
         self.reader = GroupReader(r, keys.rollouts, GROUP_COLLECTOR, consumer)
-        self.window_key = keys.custom("collector", "window")
+        self.window_key = keys.collector_window
         self._factory = redis_factory or (lambda: r)
         self._heartbeat = Heartbeat(r, keys, SERVICE, consumer, heartbeat_ttl_s)
         self._versions_dirty = threading.Event()

@@ -32,7 +32,7 @@ DECISIONS_MAXLEN = 100_000  # {p}:collector:decisions is capped (approximately),
 
 def decisions_key(keys: Keys) -> str:
     """The ``{p}:collector:decisions`` stream."""
-    return keys.custom("collector", "decisions")
+    return keys.collector_decisions
 
 
 def _record(group: RolloutGroup, tracker: StalenessTracker, now: float, **outcome: object) -> DecisionRecord:

@@ -7,7 +7,7 @@ the ``HINCRBY {p}:stats`` counters. It runs under WATCH of the two sets and firs
 of its keys already has an outcome — so two collectors holding the same entry (a reclaim race, a
 paused collector) can never both batch it: the second one gets the keys back and discards them.
 
-``{p}:collector:done``  set of ``group_id:attempt`` with an outcome (ARCHITECTURE dedup key);
+``{p}:collector:done``  set of ``group_id:attempt`` with an outcome (the dedup key);
 ``{p}:collector:closed`` set of ``group_id`` trained or dead-lettered: later attempts are discarded.
 """
 
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 class Ledger:
     def __init__(self, r: redis.Redis, keys: Keys) -> None:
         self.r, self.keys = r, keys
-        self.done_key = keys.custom("collector", "done")
-        self.closed_key = keys.custom("collector", "closed")
+        self.done_key = keys.collector_done
+        self.closed_key = keys.collector_closed
         self.stats_key = stats.key(keys)
 
     def lookup(self, arrivals: Sequence[Arrival]) -> tuple[list[bool], list[bool]]:

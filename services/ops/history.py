@@ -48,7 +48,7 @@ def _id(entry_id: Any) -> tuple[int, int]:
 
 def stream_names(keys: Keys) -> dict[str, str]:
     return {"prompts": keys.prompts, "rollouts": keys.rollouts, "batches": keys.batches,
-            "trained": keys.custom("trainer", "trained"), "dead": keys.dead}
+            "trained": keys.trainer_trained, "dead": keys.dead}
 
 
 @dataclass

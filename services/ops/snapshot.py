@@ -78,6 +78,7 @@ class Snapshot:
     recent: list[dict[str, Any]]  # {p}:metrics rows of the last RECENT_S seconds
     brake: dict[str, str] | None = None  # {p}:prompt_buffer:brake (the dead-letter brake), if ever written
     degraded: dict[str, str] = field(default_factory=dict)  # {p}:ops:degraded: optional service -> why down
+    dataset: dict[str, str] | None = None  # {p}:prompt_buffer:dataset (rows read, malformed skipped), if written
 
 
 def stream_names(keys: Keys) -> dict[str, str]:
@@ -129,7 +130,7 @@ def _json(raw: Any) -> dict[str, Any] | None:
 
 
 def _window(r: redis.Redis, keys: Keys) -> dict[str, Any] | None:
-    key = keys.custom("collector", "window")
+    key = keys.collector_window
     kind = text(r.type(key))
     if kind == "hash":
         return {text(k): text(v) for k, v in r.hgetall(key).items()}
@@ -139,7 +140,7 @@ def _window(r: redis.Redis, keys: Keys) -> dict[str, Any] | None:
 
 
 def _beats(r: redis.Redis, keys: Keys) -> list[Beat]:
-    head = keys.custom("health") + ":"  # "{p}:health:"
+    head = keys.health_prefix  # "{p}:health:"
     out: list[Beat] = []
     for raw in r.scan_iter(match=keys.health_pattern(), count=500):
         key = text(raw)
@@ -173,5 +174,6 @@ def collect(r: redis.Redis, keys: Keys) -> Snapshot:
         control={text(k): text(v) for k, v in r.hgetall(keys.control).items()},
         stats={text(k): int(v) for k, v in r.hgetall(stats_key(keys)).items()},
         dead_by_reason=_dead_reasons(r, keys), beats=_beats(r, keys), recent=recent,
-        brake={text(k): text(v) for k, v in r.hgetall(keys.custom("prompt_buffer", "brake")).items()} or None,
-        degraded={text(k): text(v) for k, v in r.hgetall(keys.custom("ops", "degraded")).items()})
+        brake={text(k): text(v) for k, v in r.hgetall(keys.prompt_buffer_brake).items()} or None,
+        degraded={text(k): text(v) for k, v in r.hgetall(keys.ops_degraded).items()},
+        dataset={text(k): text(v) for k, v in r.hgetall(keys.prompt_buffer_dataset).items()} or None)

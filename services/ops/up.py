@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_final_eval(progress, cfg.eval.every_versions,
                             LANDED_WAIT_S if deferred is not None else FINAL_EVAL_WAIT_S, lambda: stop.is_set)
 
-        degraded_key = keys.custom("ops", "degraded")
+        degraded_key = keys.ops_degraded
 
         logs_kept = [DecisionFile(run_dir / DECISIONS_FILE)]  # the collector's decisions, for `dressage replay`
         if cfg.window_controller.enabled:  # and the adaptive window's, with their inputs

@@ -71,8 +71,8 @@ class PromptBuffer:
         self.gauges = gauges
         self.clock = clock
         self.stats_key = stats.key(keys)
-        self.cursor_key = keys.custom("prompt_buffer", "cursor")
-        self.brake_key = keys.custom("prompt_buffer", "brake")
+        self.cursor_key = keys.prompt_buffer_cursor
+        self.brake_key = keys.prompt_buffer_brake
         self.brake = brake or BrakePolicy(None, 60.0)
         self.braked = False
         self.brake_why = ""

@@ -1,6 +1,6 @@
 """The worker's view of the proxy: a small async interface, its HTTP implementation, error mapping.
 
-Contract (ARCHITECTURE, proxy HTTP contract): ``POST /v1/chat/completions`` with header
+Contract (docs/proxy.md): ``POST /v1/chat/completions`` with header
 ``X-Session-Id`` records one model call in that session; ``POST /v1/sessions/{id}/finalize`` closes
 it to new turns and returns ``{"session_id", "samples": [Sample dicts], ...}``; ``DELETE /v1/sessions/{id}`` drops it;
 ``POST /v1/sessions/close`` does both for a whole group in one call (``{"closed", "missing", "records"}``); black-box

@@ -139,7 +139,7 @@ class TrainerLoop:
         self.reader = GroupReader(r, self.keys.batches, GROUP_TRAINER, self.consumer)
         self.heartbeat = Heartbeat(r, self.keys, SERVICE, self.consumer, cfg.ops.heartbeat_ttl_s)
         self.stats = stats.key(self.keys)
-        self.trained_key = self.keys.custom("trainer", "trained")  # one entry per acknowledged batch set
+        self.trained_key = self.keys.trainer_trained  # one entry per acknowledged batch set
         self.clock = PhaseClock(PHASES)  # restarted once start() is done: the loop's own wall-clock
         self._committer = (ThreadPoolExecutor(1, thread_name_prefix="trainer-commit")
                            if cfg.train.background_commit else None)

@@ -34,7 +34,7 @@ DECISIONS_MAXLEN = 10_000
 
 def decisions_key(keys: Keys) -> str:
     """The ``{p}:window_controller:decisions`` stream."""
-    return keys.custom("window_controller", "decisions")
+    return keys.window_controller_decisions
 
 
 def _opt(x: float | None) -> str:

@@ -247,7 +247,7 @@ class Cluster:
                            socket_connect_timeout=5)
 
     def stats(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.custom("stats")).items()}
+        return {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.stats).items()}
 
     def pending(self, stream: str, consumer: str | None = None) -> int:
         key, group = getattr(self.keys, stream), STREAM_GROUPS[stream]

@@ -115,11 +115,11 @@ def test_poison_on_every_consumed_stream_is_dead_lettered_once_and_valid_entries
         c.faults += [f"poison:{s.rsplit(':', 1)[1]}" for s, _ in poison_ids]
 
         def trained_batch_ids() -> list[str]:
-            return [b for _, f in c.r.xrange(c.keys.custom("trainer", "trained"))
+            return [b for _, f in c.r.xrange(c.keys.trainer_trained)
                     for b in f[b"batch_ids"].decode().split(",")]
 
         def groups_trained() -> set[str]:
-            return {g for _, f in c.r.xrange(c.keys.custom("trainer", "trained"))
+            return {g for _, f in c.r.xrange(c.keys.trainer_trained)
                     for g in json.loads(f[b"group_ids"])}
 
         want = {"pa0", "pa1", "pa2", "pb0", "pb1", "pb2", "pc0-g0", "pc1-g0", "pc2-g0"}

@@ -31,9 +31,9 @@ LIGHT = ("prompt-buffer", "collector", "w1")
 def snapshot(c: Cluster) -> dict[str, Any]:
     """Streams, consumer groups, pending lists (entry and owner), counters and sets."""
     r, k = c.r, c.keys
-    out: dict[str, Any] = {"stats": r.hgetall(k.custom("stats")), "latest": r.get(k.weights_latest),
-                           "done": r.smembers(k.custom("collector", "done")),
-                           "cursor": r.hgetall(k.custom("prompt_buffer", "cursor"))}
+    out: dict[str, Any] = {"stats": r.hgetall(k.stats), "latest": r.get(k.weights_latest),
+                           "done": r.smembers(k.collector_done),
+                           "cursor": r.hgetall(k.prompt_buffer_cursor)}
     for name, stream in {**stream_names(k), "weights_log": k.weights_log}.items():
         out[name] = r.xrange(stream)
         try:

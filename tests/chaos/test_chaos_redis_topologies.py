@@ -113,7 +113,7 @@ def test_two_runs_on_a_three_primary_cluster(cluster: LocalCluster, model_dir: P
             assert len(nodes) == 2, "the two runs hash to different primaries"
             for d in runs:
                 assert len({r.keyslot(k) for k in (d.keys.prompts, d.keys.rollouts, d.keys.batches,
-                                                    d.keys.dead, d.keys.weights_latest, d.keys.custom("stats"))}) == 1
+                                                    d.keys.dead, d.keys.weights_latest, d.keys.stats)}) == 1
             full.start_pipeline(workers=1)
             publish_version(light.r, light.keys, WeightVersion(version="0", path="/x", step=0, published_at=0.0))
             for svc, name in (("prompt-buffer", "prompt-buffer"), ("group-collector", "collector"),

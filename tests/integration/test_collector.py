@@ -59,7 +59,7 @@ def trainer_takes(r: redis.Redis, keys: Keys) -> None:
 
 
 def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}
+    return {k.decode(): int(v) for k, v in r.hgetall(keys.stats).items()}
 
 
 def wait_idle(r: redis.Redis, keys: Keys, idle_ms: int, timeout_s: float = 10.0) -> None:
@@ -247,7 +247,7 @@ def test_sigterm_exits_0_and_leaves_waiting_groups_pending(tmp_path: Path, redis
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "DRESSAGE_CONSUMER": "term"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not r.exists(keys.custom("collector", "window")):
+    while time.monotonic() < deadline and not r.exists(keys.collector_window):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=15)

@@ -65,7 +65,7 @@ def test_rollout_worker_does_its_job(acl_server: tuple[int, dict[str, str]]) -> 
     pipe = worker.pipeline(transaction=True)  # the hand-off: XADD out + XACK in + counter, one MULTI
     pipe.xadd(KEYS.rollouts, {"kind": "rollout_group", "group_id": "g1"})
     pipe.xack(KEYS.prompts, GROUP_ROLLOUT, entry_id)
-    pipe.hincrby(KEYS.custom("stats"), "groups_reenqueued", 0)
+    pipe.hincrby(KEYS.stats, "groups_reenqueued", 0)
     pipe.execute()
     heartbeat(worker, KEYS, "rollout-worker", "w1")
     assert worker.exists(KEYS.health("rollout-worker", "w1"))
@@ -101,7 +101,7 @@ def test_only_the_trainer_publishes_weights(acl_server: tuple[int, dict[str, str
 
 def test_ops_user_reads_but_never_writes(acl_server: tuple[int, dict[str, str]]) -> None:
     ops = client(acl_server, "ops")
-    assert ops.xlen(KEYS.prompts) >= 0 and ops.hgetall(KEYS.custom("stats")) is not None
+    assert ops.xlen(KEYS.prompts) >= 0 and ops.hgetall(KEYS.stats) is not None
     with pytest.raises(redis.exceptions.NoPermissionError):
         ops.set(f"{PREFIX}:control", "x")
 
@@ -114,7 +114,7 @@ def test_default_user_is_off(acl_server: tuple[int, dict[str, str]]) -> None:
 
 def test_window_controller_sets_the_window_and_writes_nothing_else(acl_server: tuple[int, dict[str, str]]) -> None:
     report_metrics(client(acl_server, "trainer"), KEYS, "trainer", {"train/rollout_logprob_abs_diff": 0.5})
-    client(acl_server, "group-collector").hincrby(KEYS.custom("stats"), "groups_batched", 4)
+    client(acl_server, "group-collector").hincrby(KEYS.stats, "groups_batched", 4)
     wc = client(acl_server, "window-controller")
     assert WindowController(wc, KEYS, WindowControllerConfig(enabled=True), 3, consumer="acl", burst=True).run() == 0
     ops = client(acl_server, "ops")  # each write of its job landed (heartbeat and metrics fail only in the log)
@@ -122,7 +122,7 @@ def test_window_controller_sets_the_window_and_writes_nothing_else(acl_server: t
     assert ops.exists(KEYS.health("window-controller", "acl"))
     assert [f[b"service"] for _, f in ops.xrange(KEYS.metrics)][-2:] == [b"trainer", b"window-controller"]
     for attempt in (lambda: wc.set(f"{PREFIX}:weights:latest", "{}"), lambda: wc.xadd(KEYS.batches, {"x": "1"}),
-                    lambda: wc.hincrby(KEYS.custom("stats"), "groups_batched", 1), lambda: wc.delete(KEYS.metrics),
+                    lambda: wc.hincrby(KEYS.stats, "groups_batched", 1), lambda: wc.delete(KEYS.metrics),
                     lambda: wc.xadd(KEYS.dead, {"x": "1"}), lambda: wc.publish(f"{PREFIX}:weights", "{}"),
                     lambda: wc.set(f"{PREFIX}:control", "x"), lambda: wc.xadd(KEYS.prompts, {"x": "1"})):
         with pytest.raises(redis.exceptions.NoPermissionError):

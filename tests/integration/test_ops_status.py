@@ -31,13 +31,13 @@ def seed(r: redis.Redis, keys: Keys) -> None:
     r.xack(keys.rollouts, GROUP_COLLECTOR, rid)
     for reason in ("retries_exhausted", "malformed", "malformed"):
         r.xadd(keys.dead, {"kind": "dead_letter", "reason": reason, "source_stream": keys.prompts})
-    r.hset(keys.custom("stats"), mapping={"groups_produced": 12, "groups_trained": 4, "groups_dead_lettered": 1,
+    r.hset(keys.stats, mapping={"groups_produced": 12, "groups_trained": 4, "groups_dead_lettered": 1,
                                            "groups_dropped_stale": 2, "groups_reenqueued": 3, "batches_trained": 1})
     wv = {"version": "3", "path": "/ckpt/v3", "step": 3, "published_at": time.time() - 5}
     r.set(keys.weights_latest, json.dumps(wv))
     for v in range(4):
         r.xadd(keys.weights_log, {"version": str(v)})
-    r.set(keys.custom("collector", "window"),
+    r.set(keys.collector_window,
           json.dumps({"keep_versions": 2, "current_version": "3", "cutoff_version": "2", "waiting_groups": 1}))
     r.hset(keys.control, "keep_versions", "2")
     heartbeat(r, keys, "trainer", "trainer", ttl_s=15)
@@ -90,15 +90,15 @@ def test_render_shows_every_section(redis_client: redis.Redis, keys: Keys) -> No
 
 def test_render_says_why_admissions_are_paused_and_which_optional_service_is_down(
         redis_client: redis.Redis, keys: Keys) -> None:
-    redis_client.hset(keys.custom("prompt_buffer", "brake"),
+    redis_client.hset(keys.prompt_buffer_brake,
                       mapping={"engaged": 1, "why": "40 dead letters in the last 60s (brake at 30, ...)"})
-    redis_client.hset(keys.custom("ops", "degraded"), "eval-worker", "exited 11 times (last code 1)")
+    redis_client.hset(keys.ops_degraded, "eval-worker", "exited 11 times (last code 1)")
     screen = status.render(snapshot.collect(redis_client, keys))
     lines = {line.split()[0]: line for line in screen.splitlines() if line and not line.startswith(" ")}
     assert "dead-letter brake): 40 dead letters in the last 60s" in lines["PAUSED"]
     assert "eval-worker is down: exited 11 times" in lines["DEGRADED"]
-    redis_client.hset(keys.custom("prompt_buffer", "brake"), "engaged", 0)
-    redis_client.delete(keys.custom("ops", "degraded"))
+    redis_client.hset(keys.prompt_buffer_brake, "engaged", 0)
+    redis_client.delete(keys.ops_degraded)
     screen = status.render(snapshot.collect(redis_client, keys))
     assert "PAUSED" not in screen and "DEGRADED" not in screen
 
@@ -133,7 +133,7 @@ def test_engines_are_probed_over_http() -> None:
 def test_stats_delta_between_refreshes(redis_client: redis.Redis, keys: Keys) -> None:
     seed(redis_client, keys)
     first = snapshot.collect(redis_client, keys)
-    redis_client.hincrby(keys.custom("stats"), "groups_trained", 8)
+    redis_client.hincrby(keys.stats, "groups_trained", 8)
     second = snapshot.collect(redis_client, keys)
     second.taken_at = first.taken_at + 4.0
     assert "trained 2.00/s since last refresh" in status.render(second, first)

@@ -47,7 +47,7 @@ def buffer(r: redis.Redis, keys: Keys, eta: int | None, gpv: int, burst: bool = 
 def test_eta_zero_never_releases_work_for_v_plus_1_before_v_is_published(redis_client: redis.Redis,
                                                                           keys: Keys) -> None:
     r, gpv = redis_client, 3
-    stats = keys.custom("stats")
+    stats = keys.stats
     buffer(r, keys, eta=0, gpv=gpv).run()
     assert r.xlen(keys.prompts) == 0  # nothing before the trainer's first version
     released_under: dict[int, int] = {}
@@ -113,7 +113,7 @@ def test_restarts_and_sigkill_neither_skip_nor_duplicate(tmp_path: Path, redis_s
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        r.hincrby(keys.custom("stats"), "groups_trained", 5)
+        r.hincrby(keys.stats, "groups_trained", 5)
     assert r.xlen(keys.prompts) == 15
     env = {**os.environ, "DRESSAGE_PACING_MAX_IN_FLIGHT_GROUPS": "1000"}
     done = subprocess.run([*cmd, "--burst"], cwd=ROOT, env=env, capture_output=True, timeout=60)
@@ -121,7 +121,7 @@ def test_restarts_and_sigkill_neither_skip_nor_duplicate(tmp_path: Path, redis_s
     got = [(g.meta["epoch"], g.meta["dataset_index"]) for g in emitted(r, keys)]
     expected, _ = Schedule(len(ROWS), 5, 3).take(Cursor(), 10_000)
     assert got == expected  # the whole schedule, in order: nothing skipped, nothing doubled
-    assert int(r.hget(keys.custom("stats"), "groups_produced")) == 36
+    assert int(r.hget(keys.stats, "groups_produced")) == 36
 
 
 def test_sigterm_exits_0(tmp_path: Path, redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys) -> None:

@@ -220,7 +220,7 @@ def test_trajectory_crossing_a_weight_update_is_rejected_retried_whole_and_count
         time.sleep(0.05)
     go.touch()
     assert proc.wait(240) == 0, stack.log("w-span")
-    stats_before = {k.decode(): int(v) for k, v in redis_client.hgetall(stack.keys.custom("stats")).items()}
+    stats_before = {k.decode(): int(v) for k, v in redis_client.hgetall(stack.keys.stats).items()}
     collect(redis_client, stack.keys, max_retries=2)  # the failed attempt 0 -> attempt 1
     assert stack.worker("w-span2", agent_command=f'["{sys.executable}", "{agent}", "{marks}", "{go}"]').wait(240) == 0
     out = new_rollouts(redis_client, stack.keys, tail)
@@ -230,7 +230,7 @@ def test_trajectory_crossing_a_weight_update_is_rejected_retried_whole_and_count
         == {after}  # attempt 1 ran entirely on the new weights
     prompt = [decode_entry(f, PromptGroup) for _, f in redis_client.xrange(stack.keys.prompts, min=tail)][-1]
     assert [(h.attempt, h.reason) for h in prompt.retry_history] == [(0, "failed")]
-    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(stack.keys.custom("stats")).items()}
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(stack.keys.stats).items()}
     assert stats.get("partial_rollout_rejected_groups", 0) - stats_before.get("partial_rollout_rejected_groups", 0) == 1
     assert stats.get("partial_rollout_rejected_samples", 0) - stats_before.get("partial_rollout_rejected_samples", 0) == 2
 

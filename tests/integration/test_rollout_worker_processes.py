@@ -214,4 +214,4 @@ def test_always_failing_group_is_handed_to_the_collector_not_retried_by_the_work
         (0, "failed", "generation_preempted", True)]
     assert (out[0].error or "").startswith("generation_preempted") and out[0].prompt_group is not None
     assert redis_client.xlen(keys.dead) == 0 and len(redis_client.xrange(keys.prompts)) == 1  # the collector decides
-    assert redis_client.hgetall(keys.custom("stats")) == {} and pending(redis_client, keys) == 0
+    assert redis_client.hgetall(keys.stats) == {} and pending(redis_client, keys) == 0

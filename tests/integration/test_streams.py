@@ -90,7 +90,7 @@ def test_dead_letter_keeps_bytes_and_acks(redis_client: redis.Redis, keys: Keys)
     assert fields[b"reason"] == b"malformed"
     letter = decode_entry(fields, DeadLetter)
     assert letter.fields["body"] == b"\xff\xfe\x00" and letter.source_id == eid.decode()
-    assert len(letter.error) == 1000 and redis_client.hget(keys.custom("stats"), "poison_dead_lettered") == b"1"
+    assert len(letter.error) == 1000 and redis_client.hget(keys.stats, "poison_dead_lettered") == b"1"
 
 
 def test_trim_never_removes_pending_or_undelivered_entries(redis_client: redis.Redis, keys: Keys) -> None:

@@ -40,7 +40,7 @@ def push(r: redis.Redis, keys: Keys, *batch_ids: str) -> list[bytes]:
 
 
 def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}
+    return {k.decode(): int(v) for k, v in r.hgetall(keys.stats).items()}
 
 
 def pending(r: redis.Redis, keys: Keys) -> int:

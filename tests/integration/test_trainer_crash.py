@@ -61,7 +61,7 @@ def check_history(r: redis.Redis, keys: Keys, store: CheckpointStore, ids: list[
     final = store.load_state(done[-1])
     assert final["step"] == N_BATCHES and final["batches_trained"] == N_BATCHES  # trained once each
     assert int(r.xpending(keys.batches, GROUP_TRAINER)["pending"]) == 0
-    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES
+    assert int(r.hget(keys.stats, "batches_trained") or 0) == N_BATCHES
     assert not [p for p in store.root.iterdir() if p.name.startswith(".")]  # temp dirs cleaned up
 
 
@@ -175,7 +175,7 @@ def test_kill_at_every_point_between_durable_checkpoints_loses_nothing_and_train
     assert final["step"] == n and final["batches_trained"] == n  # trained once each
     assert done[-1].version == published[-1]  # the stop made the newest version durable
     assert int(r.xpending(keys.batches, GROUP_TRAINER)["pending"]) == 0
-    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == n
+    assert int(r.hget(keys.stats, "batches_trained") or 0) == n
     assert not [p for p in store.snapshot_root.iterdir() if p.name.startswith(".")]  # temp dirs cleaned up
 
 

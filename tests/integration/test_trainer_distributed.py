@@ -171,7 +171,7 @@ def test_torchrun_two_ranks_trains_the_stream_like_one_process(
     for keys in (k1, k2):
         assert published_versions(r, keys) == [str(v) for v in range(N_BATCHES + 1)]
         assert pending(r, keys) == []
-        assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == N_BATCHES
+        assert int(r.hget(keys.stats, "batches_trained") or 0) == N_BATCHES
     two, one = final_weights(CheckpointStore(tmp_path / "two" / "ckpt")), final_weights(CheckpointStore(tmp_path / "one" / "ckpt"))
     for name, v in one.items():
         torch.testing.assert_close(two[name], v, rtol=1e-4, atol=1e-5)
@@ -189,7 +189,7 @@ def test_sigkill_of_one_rank_mid_step_acknowledges_nothing_and_the_run_resumes(
     assert published_versions(r, keys) == ["0", "1"]  # step 2 never published ...
     assert [i.version for i in store.complete()] == [0, 1]  # ... nor checkpointed ...
     assert pending(r, keys) == [ids[1]]  # ... nor acknowledged: b2 is still pending
-    assert int(r.hget(keys.custom("stats"), "batches_trained") or 0) == 1
+    assert int(r.hget(keys.stats, "batches_trained") or 0) == 1
     assert "acknowledged batches entry_ids=" + ids[1] not in proc.stderr
 
     proc = torchrun(config)  # the restart (torchrun --max-restarts or the supervisor)

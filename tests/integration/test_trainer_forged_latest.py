@@ -56,5 +56,5 @@ def test_forged_latest_is_refused_counted_and_overwritten(redis_client: redis.Re
     assert latest is not None and latest.version == "3"
     own = [int(v) for v in published_versions(redis_client, keys) if v != str(10**9)]
     assert own == sorted(own) and sorted(set(own)) == [0, 1, 2, 3]  # re-announcing its newest after a forgery
-    assert int(redis_client.hget(keys.custom("stats"), "forged_weights_latest") or 0) >= 2
+    assert int(redis_client.hget(keys.stats, "forged_weights_latest") or 0) >= 2
     assert "ALARM refusing" in caplog.text

@@ -46,7 +46,7 @@ def test_a_tightened_window_reaches_the_collector_and_drops_the_groups_now_outsi
     assert controller.tick().after == 2
     collector.step(None)  # the collector re-reads {p}:control: window {2, 3}
     assert [a.group.group_id for a in core.waiting] == ["new"]
-    assert int(r.hget(keys.custom("stats"), "groups_dropped_stale") or 0) == 1
+    assert int(r.hget(keys.stats, "groups_dropped_stale") or 0) == 1
     assert r.xlen(decisions_key(keys)) == 1
 
 

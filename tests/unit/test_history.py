@@ -16,7 +16,7 @@ from shared.schemas import Batch, Window
 from shared.streams import dead_letter_fields, ensure_group
 
 K = Keys("h")
-TRAINED = K.custom("trainer", "trained")
+TRAINED = K.trainer_trained
 
 
 @pytest.fixture

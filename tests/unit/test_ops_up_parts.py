@@ -173,7 +173,7 @@ def test_progress_tick_logs_metrics_and_reports_stats(tmp_path: Path) -> None:
     r = fakeredis.FakeRedis()
     keys = Keys("p")
     report_metrics(r, keys, "trainer", {"train/step": 1, "train/reward_mean": 0.5})
-    r.hset(keys.custom("stats"), mapping={"groups_produced": 8, "groups_trained": 4})
+    r.hset(keys.stats, mapping={"groups_produced": 8, "groups_trained": 4})
     out = io.StringIO()
     prog = Progress(r, keys, MetricsLog(tmp_path / "metrics.jsonl"), 10, out=out, plain_every_s=0)
     prog.tick()

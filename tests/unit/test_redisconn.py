@@ -19,7 +19,7 @@ def test_run_prefix_is_hash_tagged_only_on_a_cluster() -> None:
 def test_config_keys_share_one_slot_on_a_cluster() -> None:
     cfg = load_config(None, env={}, overrides={"redis": {"url": "redis+cluster://127.0.0.1:7000", "prefix": "run7"}})
     k = cfg.keys()
-    names = [k.prompts, k.rollouts, k.batches, k.dead, k.weights_latest, k.weights_log, k.custom("stats")]
+    names = [k.prompts, k.rollouts, k.batches, k.dead, k.weights_latest, k.weights_log, k.stats]
     assert all(n.startswith("{run7}:") for n in names)
     from redis.crc import key_slot
 

@@ -76,7 +76,7 @@ def pending(r: redis.Redis, keys: Keys) -> int:
 
 
 def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in r.hgetall(keys.custom("stats")).items()}
+    return {k.decode(): int(v) for k, v in r.hgetall(keys.stats).items()}
 
 
 def test_burst_hands_every_group_off_with_its_prompt_acknowledged(r: redis.Redis, keys: Keys) -> None:
