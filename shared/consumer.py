@@ -10,7 +10,9 @@ and says whether more may be waiting right now:
 A Redis connection error or timeout never ends the loop: it waits ``Backoff.next()`` on the stop
 flag (so a stop interrupts the wait; the delay doubles from 0.1 s up to ``redis.reconnect_backoff_max_s``),
 then calls ``recover()`` (re-read own pending entries, re-announce state); the first step that succeeds
-resets the delay. Any other exception propagates: it is a bug or a poison the service guards itself.
+resets the delay. A lost consumer group (``NOGROUP``: Redis came back without its data) calls
+``regroup()``, which re-creates the groups the service reads, and the loop goes on. Any other exception
+propagates: it is a bug or a poison the service guards itself.
 ``done()`` ends the loop like the stop flag (a trainer that reached ``max_steps``).
 """
 
@@ -19,8 +21,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import redis
+
 from shared.lifecycle import StopFlag
 from shared.retry import TRANSIENT, Backoff
+from shared.streams import lost_group
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,8 @@ class ConsumerLoop:
         self.backoff = Backoff(max_s=backoff_max_s)
 
     def run(self, step: Callable[[], bool], *, burst: bool, idle: Callable[[], object] | None = None,
-            recover: Callable[[], None] | None = None, done: Callable[[], bool] | None = None) -> None:
+            recover: Callable[[], None] | None = None, done: Callable[[], bool] | None = None,
+            regroup: Callable[[], None] | None = None) -> None:
         while not self.stop.is_set and not (done is not None and done()):
             try:
                 more = step()
@@ -43,6 +49,12 @@ class ConsumerLoop:
                         recover()
                     except TRANSIENT:
                         continue  # still down: the next step fails and waits longer
+                continue
+            except redis.ResponseError as exc:
+                if regroup is None or not lost_group(exc):
+                    raise
+                log.warning("%s: a consumer group is gone (%s); re-creating it", self.name, exc)
+                regroup()
                 continue
             if more:
                 continue

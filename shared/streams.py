@@ -37,6 +37,12 @@ def consumer_name(service: str) -> str:
     return os.environ.get("DRESSAGE_CONSUMER") or f"{socket.gethostname()}-{os.getpid()}"
 
 
+def lost_group(exc: BaseException) -> bool:
+    """Is ``exc`` Redis saying that a consumer group (or its stream) is gone? ``NOGROUP`` follows a Redis
+    that restarted without its data, or a stream someone deleted; the cure is ``ensure_group`` again."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOGROUP")
+
+
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:
     """Create ``group`` on ``stream`` (and the stream) if missing; BUSYGROUP counts as success."""
     try:

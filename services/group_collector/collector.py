@@ -212,6 +212,11 @@ class GroupCollector:
         ensure_group(self.r, self.keys.rollouts, GROUP_COLLECTOR)
         ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)
 
+    def regroup(self) -> None:
+        """After NOGROUP (Redis lost its data): the groups again, then our pending entries from the start."""
+        self.setup()
+        self.reader.reset()
+
     def step(self, block_ms: int | None) -> int:
         """One iteration; returns how many rollout entries it read (0 = nothing new)."""
         if self._versions_dirty.is_set() or self._control.due():
@@ -241,7 +246,8 @@ class GroupCollector:
             watcher.start()
         try:
             self.loop.run(lambda: self.step(None if self.burst else self.cfg.block_ms) > 0, burst=self.burst,
-                          recover=self.reader.reset)  # re-read our pending entries after reconnecting
+                          recover=self.reader.reset,  # re-read our pending entries after reconnecting
+                          regroup=self.regroup)
         finally:
             watcher.stop()
         log.info("group-collector stopping; %d group(s) left pending for the next run", len(self.core.waiting))

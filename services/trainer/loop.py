@@ -194,21 +194,15 @@ class TrainerLoop:
 
         def step() -> bool:
             nonlocal started
-            try:
-                if not started:
-                    self.start()
-                    started = True
-                    self.clock = PhaseClock(PHASES)
-                return self._iterate(burst)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning("consumer group %s is gone (Redis lost its data?); re-creating it", GROUP_TRAINER)
-                self.resync()
-                return True
+            if not started:
+                self.start()
+                started = True
+                self.clock = PhaseClock(PHASES)
+            return self._iterate(burst)
 
         loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=self.cfg.redis.reconnect_backoff_max_s)
-        loop.run(step, burst=burst, recover=lambda: self.resync() if started else None, done=self._done)
+        loop.run(step, burst=burst, recover=lambda: self.resync() if started else None, done=self._done,
+                 regroup=self.resync)
         try:
             self._join()  # the last version is written, acknowledged and published before we stop
             self._make_durable()  # and durable, when it was published from a snapshot

@@ -93,3 +93,27 @@ def test_other_errors_propagate_and_done_ends_the_loop() -> None:
 
     loop.run(step, burst=False, done=lambda: len(count) >= 3)
     assert len(count) == 3
+
+
+def test_a_lost_consumer_group_is_re_created_and_the_loop_goes_on() -> None:
+    """NOGROUP (Redis back without its data) calls regroup() and keeps the loop alive."""
+    outcomes: list[object] = [redis.ResponseError("NOGROUP No such key 'p:batches' or consumer group 'trainer'"),
+                              True, False]
+    regroups: list[int] = []
+
+    def step() -> bool:
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return bool(out)
+
+    ConsumerLoop("t", StopFlag(), backoff_max_s=1.0).run(step, burst=True, regroup=lambda: regroups.append(1))
+    assert regroups == [1] and outcomes == []
+
+
+def test_any_other_response_error_propagates_even_with_regroup() -> None:
+    def step() -> bool:
+        raise redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        ConsumerLoop("t", StopFlag(), backoff_max_s=1.0).run(step, burst=True, regroup=lambda: None)
