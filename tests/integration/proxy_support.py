@@ -9,7 +9,6 @@ configurations against one engine; one test also runs the proxy as a process via
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,14 +27,9 @@ from services.proxy.runtime import ProxyRuntime
 from shared.config import ProxyConfig
 from shared.keys import Keys
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
+from shared.redisproc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log_path: Path | None, timeout: float = 90) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
+from shared.redisproc import free_port
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
@@ -50,12 +51,6 @@ class Engine:
         while self.info()["generated_tokens"] - start < more_than:
             assert time.monotonic() < deadline, "engine produced no tokens"
             time.sleep(0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from shared.codes import STALENESS_EXCEEDED
 from shared.config import CollectorConfig, StalenessSection
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.modeling import ensure_model
-from shared.redisproc import RedisProcess
+from shared.redisproc import RedisProcess, free_port
 from shared.schemas import DeadLetter, PromptGroup, RolloutGroup, WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker, real_version
 from shared.streams import ensure_group
@@ -90,14 +90,6 @@ class Stack:
 
     def proxy_version(self) -> str | None:
         return httpx.get(f"{self.proxy_url}/health", timeout=10).json().get("version")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(stack_root: Path, name: str, argv: list[str], env: dict[str, str], health: str) -> subprocess.Popen[bytes]:

@@ -2,7 +2,8 @@
 
 * one step on 2 ranks (DDP and FSDP2, ``torch.multiprocessing`` spawn) gives the weights, gradient
   norm and loss of one process on the same batch — including a split where one rank runs a
-  zero-weight micro-batch;
+  zero-weight micro-batch; under ``bf16-mixed`` FSDP2's bf16 compute over fp32 shards gives the
+  one-process autocast step within bf16's precision, and the master weights it exports are fp32;
 * ``torchrun --nproc-per-node 2 -m services.trainer --burst`` against a real Redis trains the stream
   like one process: same versions, same final weights;
 * SIGKILL of rank 1 in the middle of a step: nothing acknowledged, nothing published, no checkpoint;
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +33,7 @@ from services.trainer.parallel import Parallel, run_rank, split_rows
 from shared.config import TrainConfig
 from shared.keys import GROUP_TRAINER, Keys
 from shared.modeling import load_model
-from shared.redisproc import RedisProcess
+from shared.redisproc import RedisProcess, free_port
 from shared.schemas import Batch, Window
 from shared.versionbus import published_versions
 
@@ -54,38 +54,35 @@ def uneven_batch() -> Batch:
     return Batch(batch_id="u", groups=groups, trainer_version="0", window=Window(keep_versions=0, current_version="0"))
 
 
-def train_cfg(micro: int) -> TrainConfig:
-    return TrainConfig(lr=1e-3, micro_batch_size=micro, max_grad_norm=1.0)
+def train_cfg(micro: int, precision: str = "fp32") -> TrainConfig:
+    return TrainConfig(lr=1e-3, micro_batch_size=micro, max_grad_norm=1.0, precision=precision)  # type: ignore[arg-type]  # a Precision name from the parametrization
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, world: int, port: int, mode: str, model: str, micro: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, mode: str, model: str, micro: int, out: str,
+               precision: str = "fp32") -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     parallel = Parallel.from_env("cpu", mode, 120)
-    learner = Learner(load_model(model), train_cfg(micro), 0, parallel=parallel)
+    learner = Learner(load_model(model), train_cfg(micro, precision), 0, parallel=parallel)
 
     def body() -> int:
         if not parallel.is_leader:
             return Follower(learner).run()
         metrics = learner.train_step([uneven_batch()])
-        weights, _ = learner.export()
+        weights, state = learner.export()
         full = weights if weights is not None else learner.model.state_dict()
-        torch.save({"metrics": metrics, "weights": {k: v.detach().clone() for k, v in full.items()}}, out)
+        master = {k: v.detach().clone() for k, v in state.get("master_weights", {}).items()}
+        torch.save({"metrics": metrics, "weights": {k: v.detach().clone() for k, v in full.items()},
+                    "master": master}, out)
         learner.close()
         return 0
 
     run_rank(body, parallel)  # the trainer's own exit path (os._exit under torch.distributed)
 
 
-def one_process_step(model: Path, micro: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    learner = Learner(load_model(model), train_cfg(micro), 0)
+def one_process_step(model: Path, micro: int, precision: str = "fp32") -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    learner = Learner(load_model(model), train_cfg(micro, precision), 0)
     metrics = learner.train_step([uneven_batch()])
     return metrics, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
 
@@ -120,6 +117,19 @@ def test_one_step_on_two_ranks_equals_one_process(mode: str, model_dir: Path, tm
     assert moved > 1e-4  # the step did change the weights
     for k, v in weights.items():
         torch.testing.assert_close(got["weights"][k], v, rtol=1e-5, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")  # type: ignore[misc]  # k bound per iteration
+
+
+def test_fsdp_bf16_mixed_computes_in_bf16_over_fp32_shards(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank_main, args=(2, free_port(), "fsdp", str(model_dir), 3, str(out), "bf16-mixed"), nprocs=2,
+             join=True)
+    got = torch.load(out, weights_only=False)
+    metrics, weights = one_process_step(model_dir, 3, "bf16-mixed")
+    assert got["metrics"]["train/grad_norm"] == pytest.approx(metrics["train/grad_norm"], rel=0.05)
+    assert {v.dtype for v in got["weights"].values()} == {torch.bfloat16}  # published for the engines
+    assert {v.dtype for v in got["master"].values()} == {torch.float32}  # what the optimizer steps
+    for k, v in weights.items():  # AdamW's first step moves every weight by ~lr: only signs may differ
+        torch.testing.assert_close(got["master"][k], v, rtol=0, atol=2.5e-3, msg=lambda m, k=k: f"{k}: {m}")  # type: ignore[misc]  # k bound per iteration
 
 
 # --- torchrun end to end ----------------------------------------------------------------------
