@@ -457,17 +457,26 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, 
     return loaded or {}
 
 
-def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
-                overrides: dict[str, dict[str, Any]] | None = None) -> DressageConfig:
-    """Read ``path`` (YAML; None = defaults), apply env and explicit overrides, validate."""
-    env = dict(os.environ) if env is None else env
-    data: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
-    for source in (_env_overrides(env), overrides or {}):
-        for section, values in source.items():
+def merge_layers(base: dict[str, Any], *layers: dict[str, Any]) -> dict[str, Any]:
+    """``layers`` applied over ``base`` in order, section by section: a later layer's ``section.key``
+    replaces the earlier one's, keys it does not name are kept. The one layering rule (file, env, experiment
+    specs, test harnesses); ConfigError names a section of ``base`` that is not a mapping."""
+    data = dict(base)
+    for layer in layers:
+        for section, values in layer.items():
             current = data.get(section) or {}
             if not isinstance(current, dict):
                 raise ConfigError(f"{section}: must be a mapping")
             data[section] = {**current, **values}
+    return data
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, dict[str, Any]] | None = None) -> DressageConfig:
+    """Read ``path`` (YAML; None = defaults), apply env and explicit overrides, validate."""
+    env = dict(os.environ) if env is None else env
+    base: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
+    data = merge_layers(base, _env_overrides(env), overrides or {})
     try:
         return DressageConfig.model_validate(data)
     except ValidationError as exc:

@@ -19,11 +19,11 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from waits import wait_for
 
 from shared.redisproc import RedisProcess, find_redis_server, free_port
 
@@ -45,15 +45,8 @@ def cluster_port() -> int:
 
 
 def _wait(pred: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+    """A topology settling: Redis errors (a node still starting) count as "not yet"."""
+    wait_for(pred, timeout, what, ignore=(redis.RedisError,), period=0.1)
 
 
 class LocalCluster:

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shared.config import ENV_PREFIX, SECTIONS, EvalConfig, load_config, read_yaml_mapping
+from shared.config import ENV_PREFIX, SECTIONS, EvalConfig, load_config, merge_layers, read_yaml_mapping
 from shared.errors import ConfigError
 
 NAME = r"^[A-Za-z0-9_.\-]+$"
@@ -157,14 +157,11 @@ def nest(overrides: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
 
 
 def merge(*layers: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    for layer in layers:
-        for section, values in layer.items():
-            current = data.get(section) or {}
-            if not isinstance(current, dict):
-                raise SpecError(f"{section}: must be a mapping in the base config")
-            data[section] = {**current, **values}
-    return data
+    """The config's own layering (shared.config.merge_layers); a bad section is a SpecError."""
+    try:
+        return merge_layers({}, *layers)
+    except ConfigError as exc:
+        raise SpecError(f"{exc} in the base config") from exc
 
 
 def seed_overrides(seed: int) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ Waiting is always polling a condition in Redis or over HTTP (``wait_until``), ne
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import random
@@ -31,8 +32,10 @@ from typing import Any
 import httpx
 import redis
 import yaml
+from waits import wait_for
 
 from services.ops.history import History, collect, poll
+from shared.config import merge_layers
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.modeling import ModelSpec, ensure_model
 from shared.redisproc import RedisProcess, free_port
@@ -59,24 +62,8 @@ def write_dataset(path: Path, n: int, source: Path = REPO / "data" / "reverse" /
     return path
 
 
-def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, why: Callable[[], str] = lambda: "",
-               period: float = 0.1) -> Any:
-    """Poll ``pred`` until truthy (returned) or fail after ``timeout`` s saying ``what`` and ``why()``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{why()}")
-        time.sleep(period)
+# Chaos waits poll Redis or HTTP: every 0.1 s is enough and keeps the polling off the services' cores.
+wait_until = functools.partial(wait_for, period=0.1)
 
 
 def clean_env() -> dict[str, str]:
@@ -229,7 +216,7 @@ class Cluster:
             "eval": {"every_versions": 0},
             "ops": {"heartbeat_ttl_s": 3.0, "metrics_port_base": None},
         }
-        return deep_merge(deep_merge(base, chaos), extra or {})
+        return merge_layers(base, chaos, extra or {})
 
     def write_config(self, extra: dict[str, Any] | None = None, name: str = "config.yaml") -> Path:
         path = self.root / name

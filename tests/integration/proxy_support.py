@@ -21,6 +21,7 @@ import httpx
 import redis
 import torch
 import uvicorn
+from waits import wait_for
 
 from services.proxy.app import build_app
 from services.proxy.runtime import ProxyRuntime
@@ -33,17 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log_path: Path | None, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited: {log_path.read_text() if log_path else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not become healthy"
-        time.sleep(0.1)
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, f"{url} healthy",
+             why=lambda: log_path.read_text() if log_path else "", process=proc, period=0.1,
+             ignore=(httpx.TransportError,))
 
 
 @dataclass
@@ -95,8 +88,8 @@ def start_engine(root: Path, max_batch_size: int = 16, second_checkpoint: bool =
 class AppThread:
     """An ASGI app under uvicorn in a daemon thread (its own event loop); ``url`` once started."""
 
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()  # a given port: the same server started again
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False, lifespan="on"))
@@ -129,10 +122,10 @@ class ProxyThread(AppThread):
         return httpx.get(f"{self.url}/v1/rollout/state", timeout=10).json()
 
     def wait_state(self, predicate: Any, timeout: float = 20) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
+        def matched() -> dict[str, Any] | None:
             st = self.state()
-            if predicate(st):
-                return st
-            assert time.monotonic() < deadline, f"state never matched: {st}"
-            time.sleep(0.01)
+            return st if predicate(st) else None
+
+        state: dict[str, Any] = wait_for(matched, timeout, "proxy state", why=lambda: str(self.state()),
+                                         period=0.01)
+        return state

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 from rollout_factory import rollout_group
+from waits import wait_for
 
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
@@ -64,11 +65,9 @@ def stats(r: redis.Redis, keys: Keys) -> dict[str, int]:
 
 def wait_idle(r: redis.Redis, keys: Keys, idle_ms: int, timeout_s: float = 10.0) -> None:
     """Until every pending rollout entry has been idle ``idle_ms`` (what a reclaim waits for)."""
-    deadline = time.monotonic() + timeout_s
-    while any(p["time_since_delivered"] < idle_ms
-              for p in r.xpending_range(keys.rollouts, GROUP_COLLECTOR, min="-", max="+", count=100)):
-        assert time.monotonic() < deadline, "entries never became idle"
-        time.sleep(0.01)
+    wait_for(lambda: all(p["time_since_delivered"] >= idle_ms
+                         for p in r.xpending_range(keys.rollouts, GROUP_COLLECTOR, min="-", max="+", count=100)),
+             timeout_s, "pending entries idle", period=0.01)
 
 
 def pending(r: redis.Redis, keys: Keys) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from waits import wait_for
 
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
 from shared.redisproc import free_port
@@ -47,10 +48,9 @@ class Engine:
 
     def wait_tokens(self, more_than: int, timeout: float = 20) -> None:
         """Wait until the engine has produced `more_than` tokens beyond its count now."""
-        start, deadline = self.info()["generated_tokens"], time.monotonic() + timeout
-        while self.info()["generated_tokens"] - start < more_than:
-            assert time.monotonic() < deadline, "engine produced no tokens"
-            time.sleep(0.01)
+        start = self.info()["generated_tokens"]
+        wait_for(lambda: self.info()["generated_tokens"] - start >= more_than, timeout, "engine tokens",
+                 period=0.01)
 
 
 @pytest.fixture(scope="module")

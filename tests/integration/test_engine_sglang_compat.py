@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 from proxy_support import EngineProc, start_engine
+from waits import wait_for
 
 from shared.modeling import load_model, load_tokenizer
 
@@ -271,13 +272,11 @@ def test_accepted_bookkeeping_fields(client: httpx.Client) -> None:
 
 def _wait_running(client: httpx.Client) -> None:
     """Until one request is in the running batch (pinned to the weights it started on)."""
-    deadline = time.monotonic() + 60
-    while True:
+    def running() -> bool:
         load = client.get("/get_load").json()[0]
-        if load["num_reqs"] - load["num_waiting_reqs"] >= 1:
-            return
-        assert time.monotonic() < deadline, load
-        time.sleep(0.01)
+        return bool(load["num_reqs"] - load["num_waiting_reqs"] >= 1)
+
+    wait_for(running, 60, "a running request", why=lambda: str(client.get("/get_load").json()), period=0.01)
 
 
 def test_weight_update_waits_for_in_flight_requests_so_each_response_has_one_version(

@@ -16,12 +16,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
+from waits import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,15 +46,6 @@ def start(spec: Path, out: Path, log: Path, jobs: int = 1) -> subprocess.Popen[b
                                 stderr=subprocess.STDOUT)
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, proc: subprocess.Popen[bytes],
-             log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        assert proc.poll() is None, f"runner exited early:\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
-    raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.timeout(1800)  # five bounded `dressage up` runs: ~5 min at load 12 on 2 cores, far more at 40
@@ -65,7 +55,9 @@ def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path:
     first, second = root / "sync" / "seed0", root / "async" / "seed0"  # runs go seed by seed
     proc = start(spec, out, log)
     try:
-        wait_for(lambda: (first / "result.json").exists() and (second / "child.json").exists(), 400, proc, log)
+        wait_for(lambda: (first / "result.json").exists() and (second / "child.json").exists(), 400,
+                 "the first run done, the second started", process=proc, why=lambda: log.read_text()[-3000:],
+                 period=0.5)
         orphan = json.loads((second / "child.json").read_text())["pid"]
         proc.send_signal(signal.SIGKILL)  # the runner dies; its dressage up of async/seed0 keeps going
         proc.wait(10)

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_up_e2e import CONFIG, REPO, wait_for  # model_dir is a fixture of tests/integration/conftest.py
+from test_up_e2e import CONFIG, REPO  # model_dir is a fixture of tests/integration/conftest.py
+from waits import wait_for
 
 from services.ops.metricslog import load_rows
 from shared.telemetry import local_replica, prometheus_port
@@ -76,7 +77,7 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
                             text=True)
     try:
         wait_for(lambda: sum(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")) >= 1,
-                 240, proc)
+                 240, "a trainer report", process=proc, period=0.5)
         run = json.loads((run_dir / "run.json").read_text())
         targets = {
             "engine": f"http://127.0.0.1:{run['engine_port']}/metrics",
@@ -110,7 +111,8 @@ def test_every_service_metrics_endpoint_parses_in_an_up_run(model_dir: Path, tmp
         assert "dressage_train_rollout_logprob_abs_diff" in seen["trainer"], seen["trainer"]
         assert "dressage_eval_jobs_succeeded" in seen["eval-worker"]
         wait_for(lambda: "dressage_window_controller_keep_versions" in check_scrape(
-            "window-controller", httpx.get(targets["window-controller"], timeout=5).text), 60, proc)
+            "window-controller", httpx.get(targets["window-controller"], timeout=5).text), 60,
+                 "the window-controller's gauge", process=proc, period=0.5)
         assert any(n.startswith("dressage_rollout_") for n in seen["rollout-worker-1"])
     finally:
         proc.terminate()

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import redis
 from proxy_support import EngineProc, ProxyThread, start_engine
+from waits import wait_for
 
 from shared.config import ProxyConfig
 from shared.keys import Keys
@@ -52,8 +53,7 @@ def wait_tokens(p: ProxyThread, engine: EngineProc, n: int) -> None:
     """Until the in-flight request of ``p`` has produced at least ``n`` tokens on the engine."""
     p.wait_state(lambda s: s["active_generations"] == 1)
     start = engine.info()["generated_tokens"]
-    while engine.info()["generated_tokens"] - start < n:
-        time.sleep(0.005)
+    wait_for(lambda: engine.info()["generated_tokens"] - start >= n, 20, f"{n} tokens generated")
 
 
 def publish_b_midway(p: ProxyThread, engine: EngineProc, r: redis.Redis, keys: Keys) -> None:

@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from waits import wait_for
 
 from services.rollout_worker.fake_proxy import FakeProxy, serve
 from shared.codec import decode_entry, encode_entry
@@ -54,8 +55,8 @@ class Workers:
         return (self.logs / f"{consumer}.log").read_text()
 
     def wait_alive(self, r: redis.Redis, *consumers: str) -> None:
-        wait_until(lambda: all(r.exists(self.keys.health("rollout-worker", c)) for c in consumers), 30,
-                   lambda: "\n".join(self.log(c) for c in consumers))
+        wait_for(lambda: all(r.exists(self.keys.health("rollout-worker", c)) for c in consumers), 30,
+                 "every worker's heartbeat", why=lambda: "\n".join(self.log(c) for c in consumers))
 
     def cleanup(self) -> None:
         for proc in self.procs.values():
@@ -64,11 +65,6 @@ class Workers:
                 proc.wait(10)
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, why: Callable[[], str] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out\n{why()}"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -108,8 +104,8 @@ def pending(r: redis.Redis, keys: Keys) -> int:
 
 def wait_idle(r: redis.Redis, keys: Keys, ms: int) -> None:
     """Until the one pending prompt entry has been idle for ``ms`` (its owner is dead or frozen)."""
-    wait_until(lambda: r.xpending_range(keys.prompts, GROUP_ROLLOUT, min="-", max="+", count=1)[0]
-               ["time_since_delivered"] > ms, 30)
+    wait_for(lambda: r.xpending_range(keys.prompts, GROUP_ROLLOUT, min="-", max="+", count=1)[0]
+             ["time_since_delivered"] > ms, 30, "the pending prompt idle")
 
 
 def in_flight(fake: FakeProxy) -> bool:
@@ -126,7 +122,8 @@ def test_three_workers_share_the_load_and_each_group_is_handed_off_once(
     ensure_group(redis_client, keys.prompts, GROUP_ROLLOUT)
     workers.wait_alive(redis_client, *names)
     enqueue(redis_client, keys, 12)
-    wait_until(lambda: len(rollouts(redis_client, keys)) >= 12, 60, lambda: workers.log("w1"))
+    wait_for(lambda: len(rollouts(redis_client, keys)) >= 12, 60,
+             why=lambda: workers.log("w1"))
     for n in names:
         workers.procs[n].send_signal(signal.SIGTERM)
     assert [workers.procs[n].wait(30) for n in names] == [0, 0, 0]
@@ -143,7 +140,8 @@ def test_group_of_a_sigkilled_worker_is_reclaimed_and_handed_off_once(
     fake.delay_s = 1.0
     enqueue(redis_client, keys, 1)
     victim = workers.start("victim", claim_idle_ms=600_000)
-    wait_until(lambda: in_flight(fake), 30, lambda: workers.log("victim"))
+    wait_for(lambda: in_flight(fake), 30,
+             why=lambda: workers.log("victim"))
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     assert pending(redis_client, keys) == 1 and rollouts(redis_client, keys) == []
@@ -161,7 +159,8 @@ def test_paused_worker_resumed_after_a_reclaim_does_not_hand_off_a_second_copy(
     fake.delay_s = 1.0
     enqueue(redis_client, keys, 1)
     sleeper = workers.start("sleeper", claim_idle_ms=600_000)
-    wait_until(lambda: in_flight(fake), 30, lambda: workers.log("sleeper"))
+    wait_for(lambda: in_flight(fake), 30,
+             why=lambda: workers.log("sleeper"))
     sleeper.send_signal(signal.SIGSTOP)
     try:
         wait_idle(redis_client, keys, 600)
@@ -170,8 +169,8 @@ def test_paused_worker_resumed_after_a_reclaim_does_not_hand_off_a_second_copy(
         assert [g.meta["worker"] for g in rollouts(redis_client, keys)] == ["rescuer"]
     finally:
         sleeper.send_signal(signal.SIGCONT)
-    wait_until(lambda: "already acknowledged by another worker" in workers.log("sleeper"), 30,
-               lambda: workers.log("sleeper"))
+    wait_for(lambda: "already acknowledged by another worker" in workers.log("sleeper"), 30,
+             why=lambda: workers.log("sleeper"))
     sleeper.send_signal(signal.SIGTERM)
     assert sleeper.wait(30) == 0
     assert [g.meta["worker"] for g in rollouts(redis_client, keys)] == ["rescuer"]  # no late copy
@@ -183,7 +182,8 @@ def test_sigterm_lets_the_group_in_hand_finish_and_exits_0(
     fake.delay_s = 1.0
     enqueue(redis_client, keys, 2)
     proc = workers.start("w1", grace_period_s=20)
-    wait_until(lambda: in_flight(fake), 30, lambda: workers.log("w1"))
+    wait_for(lambda: in_flight(fake), 30,
+             why=lambda: workers.log("w1"))
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0, workers.log("w1")
     assert [g.group_id for g in rollouts(redis_client, keys)] == ["g0"]  # finished; g1 never started
@@ -195,7 +195,8 @@ def test_sigterm_past_the_grace_period_leaves_the_group_pending_and_exits_0(
     fake.delay_s = 30.0
     enqueue(redis_client, keys, 1)
     proc = workers.start("w1", grace_period_s=0.5)
-    wait_until(lambda: in_flight(fake), 30, lambda: workers.log("w1"))
+    wait_for(lambda: in_flight(fake), 30,
+             why=lambda: workers.log("w1"))
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0, workers.log("w1")

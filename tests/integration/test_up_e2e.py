@@ -13,12 +13,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from waits import wait_for
 
 from services.ops import status
 from services.ops.metricslog import load_rows
@@ -40,14 +40,6 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "run"
 
 
-def wait_for(predicate: Any, timeout: float, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        assert proc.poll() is None, f"dressage up exited early:\n{proc.communicate()[0]}"
-        time.sleep(0.5)
-    raise AssertionError("timed out")
 
 
 def child_pids(output: str) -> dict[str, int]:
@@ -78,7 +70,7 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
     proc = start_up(run_dir, model_dir, "--demo")
     try:
         wait_for(lambda: any(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")),
-                 150, proc)
+                 150, "a trainer report in metrics.jsonl", process=proc, period=0.5)
         # While it runs, `dressage status --run DIR` shows the live deployment.
         assert status.main(["--run", str(run_dir)]) == 0
         screen = capsys.readouterr().out
@@ -133,7 +125,7 @@ def test_sigterm_stops_every_service_cleanly(model_dir: Path, run_dir: Path) -> 
     proc = start_up(run_dir, model_dir, "--max-steps", "1000", "--workers", "1")
     try:
         wait_for(lambda: any(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")),
-                 150, proc)
+                 150, "a trainer report in metrics.jsonl", process=proc, period=0.5)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=90)
     finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waits import wait_for
 
 from services.ops.supervisor import (
     ProcessSpec,
@@ -148,11 +149,6 @@ def test_stop_request_stops_in_reverse_tier_order(tmp_path: Path) -> None:
     assert all(code == 0 for code in sup.stop().values())
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_child_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
