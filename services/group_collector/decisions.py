@@ -30,11 +30,6 @@ log = logging.getLogger(__name__)
 DECISIONS_MAXLEN = 100_000  # {p}:collector:decisions is capped (approximately), like {p}:dead
 
 
-def decisions_key(keys: Keys) -> str:
-    """The ``{p}:collector:decisions`` stream."""
-    return keys.collector_decisions
-
-
 def _record(group: RolloutGroup, tracker: StalenessTracker, now: float, **outcome: object) -> DecisionRecord:
     order = tracker.versions  # read only: recording never observes a version
     pos = {v: i for i, v in enumerate(order)}
@@ -67,7 +62,7 @@ class DecisionLog:
 
     def __init__(self, r: redis.Redis, keys: Keys, maxlen: int = DECISIONS_MAXLEN,
                  clock: Callable[[], float] = time.time) -> None:
-        self.r, self.key, self.maxlen, self.clock = r, decisions_key(keys), maxlen, clock
+        self.r, self.key, self.maxlen, self.clock = r, keys.collector_decisions, maxlen, clock
 
     def record(self, action: Action, tracker: StalenessTracker) -> None:
         records = records_for(action, tracker, self.clock())

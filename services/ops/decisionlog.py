@@ -19,8 +19,6 @@ from typing import Any
 
 import redis
 
-from services.group_collector.decisions import decisions_key
-from services.window_controller.loop import decisions_key as controller_key
 from shared.errors import MalformedEntry
 from shared.keys import Keys
 from shared.window_decisions import DecisionRecord
@@ -37,7 +35,7 @@ def read_stream(r: redis.Redis, keys: Keys, after: str = "0-0",
     out: list[tuple[str, DecisionRecord]] = []
     cursor = after
     while True:
-        page = r.xrange(decisions_key(keys), min=f"({cursor}", max="+", count=count)
+        page = r.xrange(keys.collector_decisions, min=f"({cursor}", max="+", count=count)
         for raw_id, fields in page:
             cursor = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
             try:
@@ -57,7 +55,7 @@ def controller_records(r: redis.Redis, keys: Keys, after: str, count: int = 2000
     out: list[tuple[str, dict[str, Any]]] = []
     cursor = after
     while True:
-        page = r.xrange(controller_key(keys), min=f"({cursor}", max="+", count=count)
+        page = r.xrange(keys.window_controller_decisions, min=f"({cursor}", max="+", count=count)
         for raw_id, fields in page:
             cursor = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
             out.append((cursor, {(k.decode() if isinstance(k, bytes) else str(k)):

@@ -32,11 +32,6 @@ SERVICE = "window-controller"
 DECISIONS_MAXLEN = 10_000
 
 
-def decisions_key(keys: Keys) -> str:
-    """The ``{p}:window_controller:decisions`` stream."""
-    return keys.window_controller_decisions
-
-
 def _opt(x: float | None) -> str:
     return "" if x is None else f"{x:.6g}"
 
@@ -108,7 +103,7 @@ class WindowController:
                   "reason": d.reason, "logprob_diff": _opt(s.logprob_diff), "wait_fraction": _opt(s.wait_fraction),
                   "drop_rate": _opt(s.drop_rate), "trainer_steps": str(s.steps), "floor": str(d.state.floor),
                   "target_logprob_diff": f"{self.cfg.target_logprob_diff:.6g}", "at": f"{time.time():.3f}"}
-        self.r.xadd(decisions_key(self.keys), fields, maxlen=DECISIONS_MAXLEN, approximate=True)
+        self.r.xadd(self.keys.window_controller_decisions, fields, maxlen=DECISIONS_MAXLEN, approximate=True)
         metrics = {"window_controller/keep_versions": d.after, "window_controller/changed": int(d.changed),
                    "window_controller/proposal": d.proposal}
         report_metrics(self.r, self.keys, SERVICE, metrics)

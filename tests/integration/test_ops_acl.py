@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from services.ops import acl
-from services.window_controller.loop import WindowController, decisions_key
+from services.window_controller.loop import WindowController
 from shared.config import WindowControllerConfig
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.redisproc import find_redis_server, free_port
@@ -118,7 +118,7 @@ def test_window_controller_sets_the_window_and_writes_nothing_else(acl_server: t
     wc = client(acl_server, "window-controller")
     assert WindowController(wc, KEYS, WindowControllerConfig(enabled=True), 3, consumer="acl", burst=True).run() == 0
     ops = client(acl_server, "ops")  # each write of its job landed (heartbeat and metrics fail only in the log)
-    assert ops.hget(f"{PREFIX}:control", "keep_versions") == b"3" and ops.xlen(decisions_key(KEYS)) == 1
+    assert ops.hget(f"{PREFIX}:control", "keep_versions") == b"3" and ops.xlen(KEYS.window_controller_decisions) == 1
     assert ops.exists(KEYS.health("window-controller", "acl"))
     assert [f[b"service"] for _, f in ops.xrange(KEYS.metrics)][-2:] == [b"trainer", b"window-controller"]
     for attempt in (lambda: wc.set(f"{PREFIX}:weights:latest", "{}"), lambda: wc.xadd(KEYS.batches, {"x": "1"}),

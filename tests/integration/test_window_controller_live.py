@@ -11,7 +11,7 @@ from rollout_factory import rollout_group
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
 from services.ops.plan import RunChoices, build_plan
-from services.window_controller.loop import WindowController, decisions_key
+from services.window_controller.loop import WindowController
 from shared.codec import encode_entry
 from shared.config import CollectorConfig, StalenessSection, WindowControllerConfig, load_config
 from shared.keys import Keys
@@ -47,7 +47,7 @@ def test_a_tightened_window_reaches_the_collector_and_drops_the_groups_now_outsi
     collector.step(None)  # the collector re-reads {p}:control: window {2, 3}
     assert [a.group.group_id for a in core.waiting] == ["new"]
     assert int(r.hget(keys.stats, "groups_dropped_stale") or 0) == 1
-    assert r.xlen(decisions_key(keys)) == 1
+    assert r.xlen(keys.window_controller_decisions) == 1
 
 
 def test_up_starts_the_controller_only_when_enabled(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from services.window_controller.loop import WindowController, decisions_key
+from services.window_controller.loop import WindowController
 from services.window_controller.signals import SignalReader, wait_fraction
 from shared import stats
 from shared.config import WindowControllerConfig
@@ -69,7 +69,7 @@ def test_controller_writes_the_operator_control_key_and_logs_every_decision_with
     d = ctl.tick()
     assert (d.before, d.after, d.reason) == (3, 2, "logprob_diff_high")
     assert r.hget(keys.control, "keep_versions") == b"2"
-    (_, rec), = r.xrange(decisions_key(keys))
+    (_, rec), = r.xrange(keys.window_controller_decisions)
     assert rec[b"keep_before"] == b"3" and rec[b"keep_after"] == b"2" and rec[b"reason"] == b"logprob_diff_high"
     assert float(rec[b"logprob_diff"]) == pytest.approx(0.5) and rec[b"trainer_steps"] == b"1"
 
@@ -100,4 +100,4 @@ def test_burst_decides_once_on_the_recorded_steps_and_exits(r: fakeredis.FakeRed
     trainer_step(r, keys, 0.5, 0.1, 10.0)
     ctl = WindowController(r, keys, CFG, default_keep=3, burst=True)
     assert ctl.run() == 0
-    assert r.hget(keys.control, "keep_versions") == b"2" and r.xlen(decisions_key(keys)) == 1
+    assert r.hget(keys.control, "keep_versions") == b"2" and r.xlen(keys.window_controller_decisions) == 1
