@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 import yaml
 from pydantic import (
@@ -26,6 +27,8 @@ from pydantic import (
 
 from shared.errors import ConfigError
 from shared.keys import Keys
+from shared.precision import Precision, lr_problem
+from shared.staleness.window import Mode, StalenessConfig
 
 ENV_PREFIX = "DRESSAGE_"
 DEV_PASSWORDS = {"", "dressage", "changeme", "password", "redis"}
@@ -49,19 +52,34 @@ class RedisConfig(Section):
     wait_replicas: int = Field(default=0, ge=0, le=16)  # WAIT for this many replicas after every MULTI (Sentinel)
     wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000)  # longest WAIT; a short one is logged, not raised
 
+    def secret(self) -> str | None:
+        """The password to log in with: ``redis.password`` (``REDIS_PASSWORD``), else the one in the URL
+        (``redis://[user]:<password>@host``, percent-decoded); None when neither has one."""
+        if self.password is not None and self.password.get_secret_value():
+            return self.password.get_secret_value()
+        in_url = urlsplit(self.url).password
+        return unquote(in_url) if in_url else None
+
     def client(self, decode_responses: bool = False) -> Any:
         from shared.redisconn import connect  # local: keep shared.config importable without a Redis client
 
-        pw = self.password.get_secret_value() if self.password else None
-        return connect(self.url, pw, decode_responses=decode_responses, socket_timeout=self.socket_timeout_s,
-                       wait_replicas=self.wait_replicas, wait_timeout_ms=self.wait_timeout_ms)
+        return connect(self.url, self.secret(), decode_responses=decode_responses,
+                       socket_timeout=self.socket_timeout_s, wait_replicas=self.wait_replicas,
+                       wait_timeout_ms=self.wait_timeout_ms)
 
 
 class ModelConfig(Section):
-    """The policy model: a Hugging Face directory (tiny CPU model here, a real checkpoint on GPU)."""
+    """The policy model: a Hugging Face folder or model id (tiny CPU model here, a real checkpoint on GPU)."""
 
+    # A local folder, or a model id ("Qwen/Qwen3-0.6B") resolved to its folder in the Hugging Face cache
+    # (HF_HOME; shared/hub.py) when the config is loaded: `hf download <id>` fills the cache first
     path: str = "models/reverse-tiny"
-    task: str = "reverse"  # task used to build the tiny model and warm start it
+    # The task: a built-in name, an entry point of group dressage.tasks, or an import path "pkg.mod:Class";
+    # the default for dataset rows without a "task" field, and the task a tiny model is warm-started on
+    task: str = Field(default="reverse", min_length=1, max_length=256)
+    # Passed to the chat template wherever it is rendered (the proxy, under a request's own; evaluation),
+    # e.g. {enable_thinking: false} for Qwen3's template
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, max_length=32)
     warm_steps: int = Field(default=300, ge=0, le=100_000)
     # share of warm-start rows demonstrated by the task's wrong guess (lookup: answering from memory
     # instead of calling the tool), a habit RL has to unlearn; 0 = demonstrations only
@@ -125,9 +143,15 @@ class ProxyConfig(Section):
     # How the model writes tool calls (SGLang's --tool-call-parser): "hermes" (= "qwen25", "qwen3": the
     # <tool_call>{json}</tool_call> format of Qwen models); None = never parse (tools are still rendered).
     tool_call_parser: Literal["hermes", "qwen25", "qwen3"] | None = "hermes"
+    # How a thinking model writes its reasoning (SGLang's --reasoning-parser): chat completions then return it as
+    # message.reasoning_content and the rest as content (a request's separate_reasoning: false keeps it whole)
+    reasoning_parser: Literal["qwen3", "deepseek-r1"] | None = None
     # Engines serve the published weights (docs/proxy.md "Engines at the published version"):
     engine_check_s: float = Field(default=2.0, gt=0, le=300)  # health check of every engine's loaded version
-    load_poll_s: float = Field(default=1.0, ge=0, le=300)  # engines' /get_load for routing + /health of down ones; 0 = off
+    load_poll_s: float = Field(default=1.0, ge=0, le=300)  # engines' load for routing + /health of down ones; 0 = off
+    # An engine's /health answer may take this long: SGLang's runs a one-token generation and answers after
+    # >= 1 s (shared/sglang_compat.py), so a down SGLang engine rejoins only with more than that.
+    engine_health_timeout_s: float = Field(default=5.0, ge=1.5, le=120)
     engine_sync_wait_s: float = Field(default=10.0, ge=0, le=3600)  # no engine caught up this long -> 503
 
 
@@ -167,8 +191,9 @@ class RolloutConfig(Section):
     block_ms: int = Field(default=1000, ge=1, le=60_000)
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)  # None = the task's own limit
-    # Black-box agent: an external command run once per trajectory (argv, no shell), with
-    # OPENAI_BASE_URL pointing at its proxy session; None = the in-process white-box runner.
+    # Black-box agent: an external command run once per trajectory (argv, no shell; "python" = this environment's
+    # interpreter, a relative path from the working directory), with OPENAI_BASE_URL / ANTHROPIC_BASE_URL at its
+    # proxy session (docs/guides/your-agent.md); None = the in-process white-box runner.
     agent_command: list[str] | None = Field(default=None, min_length=1, max_length=64)
     agent_tasks: list[str] | None = None  # tasks that use agent_command; None = every task
     # The only environment variables an agent inherits (an allow-list; docs/security.md).
@@ -179,10 +204,24 @@ class RolloutConfig(Section):
 
 
 class StalenessSection(Section):
-    """Batch-level version window."""
+    """Batch-level staleness control: drop stale groups (the version window) or wait (pacing alone bounds it).
 
-    keep_versions: int = Field(default=2, ge=0, le=10_000)  # 0 = filter off
+    ``mode: wait`` drops nothing for staleness and cuts batches oldest first (docs/staleness.md); its window
+    is 0, the default there, and a non-zero ``keep_versions`` set with it is refused, naming the key.
+    """
+
+    # drop: groups outside the window are dropped whole and re-enqueued; wait: nothing is dropped for staleness,
+    # batches take the oldest groups first, and pacing.max_versions_ahead alone bounds the staleness
+    mode: Mode = "drop"
+    keep_versions: int = Field(default=2, ge=0, le=10_000)  # 0 = filter off; must be 0 (its default) in wait mode
     order_by_published: bool = True  # order the window by the trainer's publication log when known
+
+    @model_validator(mode="after")
+    def _wait_has_no_window(self) -> StalenessSection:
+        if self.mode == "wait" and "keep_versions" not in self.model_fields_set:
+            self.keep_versions = 0
+        StalenessConfig(self.keep_versions, self.mode)  # the one check (shared.staleness.window)
+        return self
 
 
 class WindowControllerConfig(Section):
@@ -231,12 +270,22 @@ class TrainConfig(Section):
     """GRPO trainer."""
 
     groups_per_batch: int = Field(default=4, ge=1, le=4096)
-    max_steps: int | None = Field(default=None, ge=1)  # stop after this many optimizer steps
+    max_steps: int | None = Field(default=None, ge=1)  # stop after this many trainer steps (batches trained)
     lr: float = Field(default=1e-4, gt=0, le=1.0)
     weight_decay: float = Field(default=0.0, ge=0, le=1.0)
     warmup_steps: int = Field(default=0, ge=0)
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # What is kept in which dtype (docs/trainer.md "Precision"): "fp32" = fp32 weights, AdamW state and compute;
+    # "bf16-mixed" = fp32 master weights and AdamW state, bf16 forward/backward (GPU runs); "bf16-pure" = bf16
+    # weights and AdamW state (half the memory; a step below half a bf16 spacing of its weight is rounded away,
+    # so a train.lr too small for it is refused at start)
+    precision: Precision = "fp32"
+    # dtype of the weights written to every checkpoint the engines load: "auto" = bfloat16 under bf16-mixed and
+    # bf16-pure, float32 under fp32. Where it is narrower than the trained weights, durable checkpoints also keep
+    # the fp32 master weights (trainer_state.pt), so a restart resumes them exactly
+    checkpoint_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # deprecated, use precision: float32 = precision fp32, bfloat16 = precision bf16-pure; float16 is refused
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     micro_batch_size: int = Field(default=16, ge=1, le=4096)
     grad_accum: int = Field(default=1, ge=1, le=4096)
     max_grad_norm: float = Field(default=1.0, gt=0)
@@ -272,14 +321,44 @@ class TrainConfig(Section):
     remember_batch_ids: int = Field(default=10_000, ge=1, le=10_000_000)
     tensorboard_dir: str | None = None  # write TensorBoard scalars here when tensorboard is importable
     wandb_project: str | None = None  # log to wandb when importable (never required)
-    policy_loss: Literal["clipped", "naive"] = "clipped"  # naive: no clipping, no behaviour-policy correction
+    # clipped: PPO ratio to the behaviour policy, clipped. decoupled: ratio to the batch's proximal policy (the weights
+    # before its first optimizer step), clipped, times min(exp(logp_prox - logp_behaviour), behaviour_weight_cap).
+    # naive: no clipping, no behaviour-policy correction
+    policy_loss: Literal["clipped", "naive", "decoupled"] = "clipped"
+    # decoupled: cap on the behaviour importance weight; any loss: the threshold train/behaviour_weight_truncated_frac
+    # counts against (tis_cap instead when that is set)
+    behaviour_weight_cap: float = Field(default=5.0, ge=1.0, le=10_000)
+    # Optimizer steps per batch: its rows dealt to this many minibatches, each one optimizer step (and one lr
+    # schedule step), every epoch; still one published version per batch. 1 and 1: one optimizer step per batch
+    minibatches_per_batch: int = Field(default=1, ge=1, le=1024)
+    epochs_per_batch: int = Field(default=1, ge=1, le=64)  # passes over the batch's minibatches
     staleness_weight: Literal["off", "exp", "inverse"] = "off"  # a trajectory's loss weight by its version gap
     staleness_lambda: float = Field(default=0.5, ge=0, le=100)  # exp: exp(-lambda*gap); inverse: 1/(1+lambda*gap)
+
+    @model_validator(mode="after")
+    def _precision(self) -> TrainConfig:
+        """The deprecated ``dtype`` sets ``precision``; the lr must be one the weights can apply."""
+        if self.dtype is not None:
+            if self.dtype == "float16":
+                raise ValueError("train.dtype=float16 (fp16 training, no loss scaling) is not supported: "
+                                 "set train.precision to bf16-mixed or fp32 instead of train.dtype")
+            implied: Precision = "fp32" if self.dtype == "float32" else "bf16-pure"
+            if "precision" in self.model_fields_set and self.precision != implied:
+                raise ValueError(f"train.dtype={self.dtype} (deprecated, = precision {implied}) contradicts "
+                                 f"train.precision={self.precision}: remove train.dtype")
+            self.precision = implied
+        problem = lr_problem(self.lr, self.precision)
+        if problem is not None:
+            raise ValueError(problem + (f" (train.precision was set by train.dtype={self.dtype})" if self.dtype else ""))
+        return self
 
     @model_validator(mode="after")
     def _naive_has_no_correction(self) -> TrainConfig:
         if self.policy_loss == "naive" and self.tis_cap is not None:
             raise ValueError("policy_loss 'naive' has no behaviour-policy correction: leave tis_cap unset")
+        if self.policy_loss == "decoupled" and self.tis_cap is not None:
+            raise ValueError("train.policy_loss 'decoupled' truncates its weight at train.behaviour_weight_cap: "
+                             "leave train.tis_cap unset (clipped + tis_cap is the same objective)")
         return self
 
     # --- scale-out (torchrun) ---
@@ -387,13 +466,21 @@ class DressageConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ops: OpsConfig = Field(default_factory=OpsConfig)
 
+    @model_validator(mode="after")
+    def _controller_needs_a_window(self) -> DressageConfig:
+        if self.window_controller.enabled and self.staleness.mode == "wait":
+            raise ValueError("window_controller.enabled: the adaptive window sets staleness.keep_versions, which "
+                             "staleness.mode=wait refuses (nothing is dropped there): disable one of them")
+        return self
+
     @field_validator("redis")
     @classmethod
     def _password_policy(cls, value: RedisConfig) -> RedisConfig:
         if value.require_password:
-            pw = value.password.get_secret_value() if value.password else ""
+            pw = value.secret() or ""
             if pw.strip().lower() in DEV_PASSWORDS:
-                raise ValueError("a non-empty, non-default password is required (set REDIS_PASSWORD)")
+                raise ValueError("a non-empty, non-default password is required (set REDIS_PASSWORD, "
+                                 "or put it in REDIS_URL)")
         return value
 
     def keys(self) -> Keys:
@@ -478,6 +565,10 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     base: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     data = merge_layers(base, _env_overrides(env), overrides or {})
     try:
-        return DressageConfig.model_validate(data)
+        cfg = DressageConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError("invalid configuration: " + "; ".join(_describe(e) for e in exc.errors())) from exc
+    from shared.hub import resolve_model_path  # local: no hub import unless a path needs it
+
+    cfg.model.path = resolve_model_path(cfg.model.path)  # a model id -> its folder in the HF cache
+    return cfg

@@ -51,6 +51,25 @@ def batch(batch_id: str, n_groups: int = 2, version: str = "0", seed: int = 0) -
                  window=Window(keep_versions=0, current_version=version))
 
 
+def changed_fraction(cfg: Any, steps: int = 10, device: str = "cpu", seed: int = 0) -> float:
+    """Share of the tiny model's trained weights (the optimizer's own copy: the fp32 master, or the bf16
+    weights under ``bf16-pure``) that ``steps`` real learner steps under the ``TrainConfig`` ``cfg`` moved.
+    The model is handed to the learner in bf16, as GPU checkpoints are."""
+    import torch
+
+    from services.trainer.learner import Learner
+    from shared.modeling import build_model
+
+    model = build_model(SMALL_SPEC, VOCAB, 0, 2, seed=seed)
+    torch.nn.Module.to(model, device=device, dtype=torch.bfloat16)  # transformers' decorator hides Module.to's type
+    learner = Learner(model, cfg, pad_id=0)
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    for step in range(steps):
+        learner.train_step([batch(f"b{step}", n_groups=4, seed=seed)])
+    moved = sum(int((p.detach() != b).sum()) for p, b in zip(learner.model.parameters(), before, strict=True))
+    return moved / sum(b.numel() for b in before)
+
+
 def batch_fields(batch_id: str, **kw: Any) -> dict[str, bytes]:
     return encode_entry(batch(batch_id, **kw))
 

@@ -5,7 +5,10 @@ Input: a run directory holding ``metrics.jsonl`` (written by ``dressage up``), o
 ``<RUN>/report/`` (or ``--out``): one PNG per figure, ``summary.txt``, and ``report.html`` -- a
 single self-contained page (PNGs embedded as base64, no external assets) with the summary table.
 The summary table is also printed, with where the time went (``services.ops.timing``: trainer
-waiting / training / checkpointing / publishing, engine busy and idle, the workers' wait on the proxy).
+waiting / training / checkpointing / publishing, engine busy and idle, the workers' wait on the proxy),
+a trained group's age in flight against queued (``services.ops.agesplit``), and whom the staleness
+controls dropped (``services.ops.dropbias``, from the run's ``decisions.jsonl`` or the live
+``{p}:collector:decisions``), and how off-policy the trained data was (``services.ops.offpolicy``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.ops import series, timing
+from services.ops import agesplit, dropbias, offpolicy, series, timing
+from services.ops.decisionlog import FILE as DECISIONS_FILE
+from services.ops.decisionlog import load_records
+from services.ops.decisionlog import read_stream as read_decisions
 from services.ops.metricslog import load_rows, read_stream
 from shared.config import load_config
 from shared.errors import ConfigError
 from shared.keys import Keys
+from shared.window_decisions import DecisionRecord
 
 
 @dataclass(frozen=True)
@@ -56,13 +63,17 @@ img{{max-width:100%}}figure{{margin:1.5em 0}}</style></head>
 """
 
 
-def build_report(rows: Sequence[series.Row], out: Path, title: str, slots: int | None = None) -> ReportFiles:
-    """``slots``: rollout workers × concurrency, for the workers' busy fraction (None: left out)."""
+def build_report(rows: Sequence[series.Row], out: Path, title: str, slots: int | None = None,
+                 decisions: Sequence[DecisionRecord] = ()) -> ReportFiles:
+    """``slots``: rollout workers × concurrency, for the workers' busy fraction (None: left out);
+    ``decisions``: the collector's decision records, for whom the controls dropped."""
     from services.ops.plots import plot_all  # matplotlib only when a report is drawn
 
     out.mkdir(parents=True, exist_ok=True)
     pngs = plot_all(rows, out)
-    table = series.summary(rows) + timing.summary_pairs(timing.decompose(rows, slots))
+    table = (series.summary(rows) + timing.summary_pairs(timing.decompose(rows, slots))
+             + agesplit.summary_pairs(agesplit.split(rows)) + dropbias.summary_pairs(decisions)
+             + offpolicy.summary_pairs(offpolicy.split(rows)))
     text = series.format_table(table)
     summary = out / "summary.txt"
     summary.write_text(text + "\n", encoding="utf-8")
@@ -94,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         from shared.redisconn import connect, run_prefix
 
         url = args.redis_url or cfg.redis.url
-        pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
+        pw = cfg.redis.secret()
         r = connect(url, pw)  # redis://, redis+cluster://, redis+sentinel://
-        rows = read_stream(r, Keys(run_prefix(args.prefix or cfg.redis.prefix, url)))
+        keys = Keys(run_prefix(args.prefix or cfg.redis.prefix, url))
+        rows = read_stream(r, keys)
+        decisions = [rec for _, rec in read_decisions(r, keys)]
     else:
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.exists():
@@ -104,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         rows = load_rows(metrics)
         run = metrics.parent
+        decisions = load_records(run / DECISIONS_FILE)
     out = Path(args.out) if args.out else run / "report"
-    files = build_report(rows, out, title=f"Dressage run {run.name or run}")
+    files = build_report(rows, out, title=f"Dressage run {run.name or run}", decisions=decisions)
     sys.stdout.write(files.table + "\n\n")
     sys.stdout.write(f"report: {files.html}\n")
     return 0

@@ -10,8 +10,11 @@ Contract:
   no samples to train and are skipped. Under the non-last-version mask a row also carries its
   unmasked response tokens (``diff_mask``), so that the logprob diff can be measured over the same
   tokens with and without the mask.
+* ``minibatches`` deals a step's rows to its minibatches (one optimizer step each), longest first,
+  so every minibatch gets a like share of long and short rows; deterministic, so a batch retrained
+  after a restart is cut exactly as before, and one minibatch returns the rows unchanged in content;
 * ``micro_batches`` + ``collate`` pad rows on the right into ``[B, T]`` tensors, grouped by length
-  so little compute goes to padding; the order of rows inside a step does not change the gradient.
+  so little compute goes to padding; the order of rows inside a minibatch does not change its gradient.
 """
 
 from __future__ import annotations
@@ -128,6 +131,14 @@ def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool
                 w = weight(gaps.get(s.traj_id, 0)) if weight else 1.0
                 out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv, w, full))
     return out
+
+
+def minibatches(rows: Sequence[TrainRow], n: int) -> list[list[TrainRow]]:
+    """``rows`` dealt to ``min(n, len(rows))`` minibatches (at least one): sorted longest first (ties in
+    batch order), row ``i`` of that order to minibatch ``i mod n``."""
+    ordered = sorted(range(len(rows)), key=lambda i: (-len(rows[i].token_ids), i))
+    k = max(1, min(n, len(rows)))
+    return [[rows[i] for i in ordered[j::k]] for j in range(k)]
 
 
 def micro_batches(rows: Sequence[TrainRow], micro_batch_size: int) -> list[list[TrainRow]]:

@@ -53,6 +53,10 @@ MANIFEST = "checkpoint.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 SNAPSHOTS = "snapshots"
+# Modes of everything placed under the checkpoint root, whatever the umask: the engines that load a
+# version may run as another user than the trainer (a non-root SGLang image, root-squashed NFS), and
+# a temporary directory is created 0700. Nothing here is secret; only the trainer may write.
+DIR_MODE, FILE_MODE = 0o755, 0o644
 
 
 class CheckpointError(DressageError):
@@ -76,6 +80,13 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _readable_by_all(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, DIR_MODE)
+        for name in files:
+            os.chmod(Path(dirpath) / name, FILE_MODE)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -108,12 +119,14 @@ def _require_model(d: Path) -> None:
 
 def _place(final: Path, fill: Callable[[Path], None], durable: bool) -> Path:
     """``fill`` a fresh temporary directory beside ``final``, then rename it to ``final`` (atomic);
-    ``durable``: every file and both directories fsynced. Never overwrites; on any error nothing is left."""
+    ``durable``: every file and both directories fsynced. Never overwrites; on any error nothing is left.
+    What lands is readable by every user (``DIR_MODE``, ``FILE_MODE``)."""
     if final.exists():
         raise CheckpointError(f"{final} already exists; versions are never reused")
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=final.parent))
     try:
         fill(tmp)
+        _readable_by_all(tmp)
         if durable:
             _fsync_tree(tmp)
         os.rename(tmp, final)

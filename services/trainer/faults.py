@@ -4,7 +4,9 @@ When the trainer reaches ``<point>`` for the ``n``-th time (``n`` defaults to 1)
 kills itself with SIGKILL — no ``finally`` blocks, no flushing, exactly like ``kill -9`` at that
 instant. Unset (the default) it costs one dict lookup. Points, in the order a step reaches them:
 
-* ``after_step``        optimizer step done, nothing written yet
+* ``between_minibatches`` an optimizer step of a batch done, not its last one (``train.minibatches_per_batch``
+  or ``epochs_per_batch`` > 1): the weights hold part of the batch, nothing written yet
+* ``after_step``        the batch's optimizer steps done, nothing written yet
 * ``mid_checkpoint``    checkpoint files written into the temporary directory, not renamed
 * ``after_checkpoint``  checkpoint renamed into place, batches not yet acknowledged
 * ``after_ack``         batches acknowledged, version not yet published
@@ -23,8 +25,8 @@ from collections import Counter
 log = logging.getLogger(__name__)
 
 ENV = "DRESSAGE_FAULT"
-POINTS = ("after_step", "mid_checkpoint", "after_checkpoint", "after_ack", "mid_snapshot", "after_snapshot",
-          "follower_mid_step")
+POINTS = ("between_minibatches", "after_step", "mid_checkpoint", "after_checkpoint", "after_ack", "mid_snapshot",
+          "after_snapshot", "follower_mid_step")
 _hits: Counter[str] = Counter()
 
 

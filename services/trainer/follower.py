@@ -1,7 +1,7 @@
 """A trainer rank other than 0: no Redis, no files written — it trains the rows rank 0 sends it.
 
 Invariant: a follower does exactly what rank 0's commands say, in order (``services.trainer.parallel``):
-``step`` → ``Learner.train_shard``, ``export`` → join the gather of the full state, ``idle`` → nothing,
+``step`` → ``Learner.train_shards``, ``export`` → join the gather of the full state, ``idle`` → nothing,
 ``stop`` → leave the process group and exit 0. SIGTERM alone does not stop it: rank 0 (which gets the
 same signal from torchrun) finishes its step and sends ``stop``, so no collective is left half-joined.
 """
@@ -25,9 +25,8 @@ class Follower:
         while True:
             cmd = self.parallel.receive()
             if cmd.kind == "step":
-                assert cmd.shard is not None
-                self.learner.train_shard(cmd.shard)
-                log.debug("rank=%d step=%d rows=%d", rank, self.learner.step, len(cmd.shard.rows))
+                self.learner.train_shards(cmd.shards)
+                log.debug("rank=%d step=%d rows=%d", rank, self.learner.step, sum(len(s.rows) for s in cmd.shards))
             elif cmd.kind == "export":
                 self.learner.export()
             elif cmd.kind == "stop":

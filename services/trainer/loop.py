@@ -288,7 +288,9 @@ class TrainerLoop:
     # --- one step -----------------------------------------------------------------------------
 
     def _train_step(self, held: Held) -> None:
-        """One batch = one optimizer step (so pacing's groups per version stay groups_per_batch × interval)."""
+        """One batch = one trainer step (so pacing's groups per version stay groups_per_batch × interval),
+        whatever the optimizer steps inside it (``train.minibatches_per_batch`` × ``epochs_per_batch``): nothing
+        is written, acknowledged or published before the last of them is done."""
         eid, batch = held
         base = max(self.version, 0)  # the version trained from; the gaps are measured before _commit moves it
         with self.clock.phase("train"):

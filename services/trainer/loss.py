@@ -1,4 +1,5 @@
-"""GRPO loss, pure: advantages, loss masks, clipped (or naive) policy gradient, TIS, KL, staleness weights.
+"""GRPO loss, pure: advantages, loss masks, clipped / decoupled / naive policy gradient, TIS, KL, staleness
+weights, and the off-policy diagnostics of a batch.
 
 Nothing here touches Redis, files or the model; every function maps plain values or tensors to
 values or tensors, so each one is checked on hand-computed cases (tests/unit/test_loss.py).
@@ -13,6 +14,15 @@ Invariant: the loss is a token-level mean over *all* loss tokens of an optimizer
 caller passes that count as ``n_tokens`` so micro-batches add up to exactly the full-batch loss.
 Staleness weights (``staleness_weight``) scale a sequence's tokens inside that sum and leave the
 denominator alone: a stale trajectory contributes less, a fresh one never more than unweighted.
+
+Three log-probabilities per loss token: ``logp`` (the policy being stepped, with gradient), the
+*behaviour* ``rollout_logp`` (recorded by the engine that sampled the token) and the *proximal*
+``proximal_logp`` (the policy before the batch's first optimizer step, without gradient). With one
+optimizer step per batch the proximal policy is ``logp`` itself, detached; with several
+(``train.minibatches_per_batch``/``epochs_per_batch``) the learner computes it once before the first
+update and passes it in. The decoupled loss (and TIS, which is the same objective) takes the PPO ratio
+against the proximal policy and corrects for the behaviour policy with the truncated importance weight
+``min(exp(proximal_logp - rollout_logp), cap)``; ``offpolicy_sums`` measures that weight.
 """
 
 from __future__ import annotations
@@ -167,10 +177,20 @@ class LossConfig:
     tis_cap: float | None = None  # truncated importance-sampling cap; None = off
     kl_coef: float = 0.0  # weight of the k3 KL to the reference; 0 = off
     naive: bool = False  # no clipping, no behaviour-policy correction (train.policy_loss = "naive")
+    decoupled: bool = False  # ratio to the proximal policy, truncated behaviour weight (train.policy_loss = "decoupled")
+    behaviour_weight_cap: float = 5.0  # the decoupled loss's cap on exp(proximal_logp - rollout_logp)
 
     def __post_init__(self) -> None:
-        if self.naive and self.tis_cap is not None:
+        if self.naive and (self.tis_cap is not None or self.decoupled):
             raise ValueError("train.policy_loss 'naive' has no behaviour-policy correction: tis_cap must be unset")
+        if self.decoupled and self.tis_cap is not None:
+            raise ValueError("train.policy_loss 'decoupled' caps its weight with train.behaviour_weight_cap: "
+                             "tis_cap must be unset")
+
+    @property
+    def weight_cap(self) -> float | None:
+        """Cap of the truncated behaviour weight this loss applies; None: the loss applies none."""
+        return self.behaviour_weight_cap if self.decoupled else self.tis_cap
 
 
 @dataclass
@@ -190,15 +210,18 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    proximal_logp: torch.Tensor | None = None,
 ) -> LossParts:
-    """Clipped policy-gradient loss of one micro-batch (``weights``: one staleness weight per sequence).
+    """Policy-gradient loss of one micro-batch (``weights``: one staleness weight per sequence).
 
-    Without TIS the PPO ratio is taken against the behaviour policy, ``r = exp(logp - rollout_logp)``
-    and the per-token loss is ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``.
-    With ``tis_cap`` (decoupled form, as slime's TIS): the ratio is taken against the current
-    policy before the update (``logp`` detached; one optimizer step per batch makes that the
-    proximal policy) and the token loss is multiplied by the detached truncated weight
-    ``min(exp(logp_old - rollout_logp), tis_cap)``. With ``kl_coef`` > 0, ``kl_coef * k3`` is added.
+    ``clipped`` (no cap): the PPO ratio is taken against the behaviour policy,
+    ``r = exp(logp - rollout_logp)``, and the per-token loss is ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``.
+    ``decoupled`` (or ``clipped`` with ``tis_cap``, the same objective, as slime's TIS): the ratio is
+    taken against the proximal policy, ``r = exp(logp - proximal_logp)``, clipped alike, and the token
+    loss is multiplied by the (gradient-free) truncated behaviour weight
+    ``min(exp(proximal_logp - rollout_logp), cap)``. ``proximal_logp`` None means ``logp`` detached: the
+    first optimizer step of a batch, where the policy being stepped *is* the proximal one. With
+    ``kl_coef`` > 0, ``kl_coef * k3`` is added.
     The naive loss (``cfg.naive``) treats every token as on-policy: ``-A * exp(logp - sg(logp))``,
     which is ``-A`` in value and ``-A * grad logp`` in gradient -- no ratio to the behaviour policy and
     no clipping, the loss under which staleness is expected to hurt. ``weights`` (``[B]``) multiply
@@ -206,11 +229,13 @@ def policy_loss(
     """
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+    cap = cfg.weight_cap
+    proximal = proximal_logp if proximal_logp is not None else logp.detach()
     if cfg.naive:
         per_token = -torch.exp(logp - logp.detach()) * adv
         clipped = torch.zeros_like(logp)
     else:
-        old = logp.detach() if cfg.tis_cap is not None else rollout_logp
+        old = proximal if cap is not None else rollout_logp
         ratio = torch.exp(logp - old)
         high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
         clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + high)
@@ -218,8 +243,8 @@ def policy_loss(
         per_token = -torch.minimum(surr, surr_clipped)
         clipped = (surr_clipped < surr).to(logp.dtype)
     sums: dict[str, float] = {}
-    if cfg.tis_cap is not None:
-        weight = torch.exp(logp.detach() - rollout_logp).clamp(max=cfg.tis_cap)
+    if cap is not None:
+        weight = torch.exp(proximal - rollout_logp).clamp(max=cap)
         per_token = per_token * weight
         sums["tis_weight"] = float((weight * mask).sum())
     if cfg.kl_coef > 0:
@@ -235,8 +260,47 @@ def policy_loss(
     denom = max(int(n_tokens), 1)
     loss = (per_token * mask).sum() / denom
     sums["clip_frac"] = float((clipped * mask).sum())
-    sums["logprob_abs_diff"] = float(logprob_abs_diff_sum(logp.detach(), rollout_logp, mask))
     return LossParts(loss=loss, sums=sums)
+
+
+# --- off-policy diagnostics -------------------------------------------------------------------
+
+OFFPOLICY_SUMS = ("logprob_abs_diff", "is_weight", "is_weight_sq", "is_truncated", "mismatch_kl")
+
+
+@torch.no_grad()
+def offpolicy_sums(proximal_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                   cap: float) -> dict[str, float]:
+    """Sums over loss tokens of how far the behaviour policy is from the proximal one (``OFFPOLICY_SUMS``).
+
+    With ``d = proximal_logp - rollout_logp`` and the importance weight ``w = exp(d)`` (untruncated):
+    ``logprob_abs_diff`` = sum ``|d|``; ``is_weight`` / ``is_weight_sq`` = sum ``w`` / ``w**2`` (for the
+    effective sample size, ``ess``); ``is_truncated`` = tokens with ``w > cap``; ``mismatch_kl`` = sum of
+    the k3 estimator of KL(behaviour || proximal), ``w - d - 1``, unbiased under the behaviour samples the
+    batch holds and never negative. Sums, so micro-batches and ranks add up; the weights in float64
+    (``exp`` of a large gap overflows float32 long before it does float64).
+    """
+    on = mask > 0
+    behaviour, proximal = rollout_logp[on].double(), proximal_logp[on].double()
+    w = torch.exp(proximal - behaviour)
+    return {"logprob_abs_diff": float(logprob_abs_diff_sum(proximal_logp, rollout_logp, mask)),
+            "is_weight": float(w.sum()), "is_weight_sq": float((w * w).sum()), "is_truncated": float((w > cap).sum()),
+            "mismatch_kl": float(kl_k3(behaviour, proximal).sum())}
+
+
+def ess(weight_sum: float, weight_sq_sum: float, n: float) -> float:
+    """Normalised effective sample size ``(sum w)^2 / (n sum w^2)`` of ``n`` importance weights, in (0, 1].
+
+    1 when every weight is equal (on-policy data: every ``w`` = 1); ``1/n`` when one weight dominates,
+    which is also what an overflowed sum means. No weights (``n`` = 0) count as 1.
+    """
+    if n <= 0:
+        return 1.0
+    if not math.isfinite(weight_sq_sum) or not math.isfinite(weight_sum):
+        return 1.0 / n
+    if weight_sq_sum <= 0:
+        return 1.0
+    return min(1.0, weight_sum * weight_sum / (n * weight_sq_sum))
 
 
 def logprob_abs_diff_sum(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,15 @@ Invariants:
 * the fast path is taken only when the first full save produced one unsharded ``model.safetensors`` whose
   tensor names are all keys of the weights being saved; otherwise every directory is written in full;
 * files are never written in place: a linked file is shared with earlier directories, which are never
-  written again (``services.trainer.checkpoint``), so linking never changes an earlier version.
+  written again (``services.trainer.checkpoint``), so linking never changes an earlier version;
+* ``config.json`` names the dtype the weights are saved in (``dtype`` and ``torch_dtype``), which is
+  ``train.checkpoint_dtype`` and may differ from the trained model's (fp32 master weights published as
+  bf16): an engine that loads "auto" gets what was written.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,16 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
+
+
+def _stamp_dtype(config: Path, weights: dict[str, Any]) -> None:
+    """Write the saved weights' floating dtype into ``config`` (transformers writes the model's)."""
+    dtype = next((str(v.dtype).removeprefix("torch.") for v in weights.values() if v.is_floating_point()), None)
+    data = json.loads(config.read_text())
+    if dtype is None or (data.get("dtype", dtype) == dtype and data.get("torch_dtype", dtype) == dtype):
+        return
+    data["dtype"] = data["torch_dtype"] = dtype
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 class ModelDirWriter:
@@ -64,6 +78,8 @@ class ModelDirWriter:
         # a copy: transformers deletes the names of tied tensors from the dict it is given
         self.model.save_pretrained(out, safe_serialization=True, state_dict=None if weights is None else dict(weights))
         self.tokenizer.save_pretrained(out)
+        if weights is not None:
+            _stamp_dtype(out / "config.json", weights)
         make_loadable(out)  # transformers 4.5x (SGLang's pin) reads the checkpoint too
         if not self._learned:
             self._learned = True

@@ -6,15 +6,19 @@ runs as N data-parallel ranks; started plainly it is one process and nothing her
 Invariants:
 * the backend follows the device: NCCL when ``train.device`` is CUDA (rank ``r`` on ``cuda:LOCAL_RANK``),
   gloo otherwise. ``train.parallel`` picks DDP (weights replicated) or FSDP2 (``fully_shard``: every
-  decoder layer and the root sharded, for models that do not fit one device);
+  decoder layer and the root sharded, for models that do not fit one device). Under
+  ``train.precision: bf16-mixed`` FSDP2 keeps the fp32 shards and computes in bf16
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``services.trainer.precision``);
 * rank 0 alone talks to Redis. Every other rank only obeys rank 0's commands, one
   ``scatter_object_list`` per loop iteration: ``idle`` (no batch yet), ``step`` (its rows),
   ``export`` (join the gather of the full weights and optimizer state for a checkpoint), ``stop``;
-* the split (``split_rows``): rank 0 computes the step's rows with their advantages over whole
-  groups, sorts them longest first (ties keep batch order) and deals row ``i`` to rank ``i % N``.
-  Every rank runs the same number of micro-batches (the largest any rank needs); a rank short of
-  rows runs zero-weight ones, so DDP's and FSDP's collectives always pair up;
-* each rank's loss is (its tokens' loss sum) / (the step's loss tokens, all ranks) × N: torch
+* the split (``split_step``): rank 0 computes the step's rows with their advantages over whole
+  groups and deals them to the minibatches (``batching.minibatches``); each minibatch's rows are sorted
+  longest first (ties keep batch order) and row ``i`` goes to rank ``i % N`` (``split_rows``). Every rank
+  gets one shard per minibatch, so every rank runs the same optimizer steps, and in each the same number
+  of micro-batches (the largest any rank needs); a rank short of rows runs zero-weight ones (and empty
+  proximal forwards), so DDP's and FSDP's collectives always pair up;
+* each rank's loss is (its tokens' loss sum) / (the minibatch's loss tokens, all ranks) × N: torch
   averages gradients over ranks, so the reduced gradient is exactly the one-process gradient;
 * rank 0 returns from a step only after an all-reduce that every rank enters after its
   ``optimizer.step()`` — a checkpoint, an acknowledgement or a version never precedes a rank's
@@ -36,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from services.trainer.batching import TrainRow
+from services.trainer.batching import TrainRow, minibatches
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +49,18 @@ CommandKind = Literal["idle", "step", "export", "stop"]
 
 @dataclass
 class Shard:
-    """One rank's part of a step: its rows, the step's loss-token count and the common micro-batch count."""
+    """One rank's part of a minibatch: its rows, the minibatch's loss-token count and the common micro-batch count."""
 
     rows: list[TrainRow]
-    loss_tokens: int  # over every rank: the loss denominator
-    n_micro: int  # micro-batches every rank runs this step
+    loss_tokens: int  # over every rank: the loss denominator of this minibatch's optimizer step
+    n_micro: int  # micro-batches every rank runs for this minibatch
     micro_rows: int  # rows per micro-batch on this rank
 
 
 @dataclass
 class Command:
     kind: CommandKind
-    shard: Shard | None = None
+    shards: list[Shard] = field(default_factory=list)  # "step": this rank's part of each minibatch, in order
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,6 +74,12 @@ def split_rows(rows: Sequence[TrainRow], world: int, micro_rows: Any) -> list[Sh
     sizes = [max(1, int(micro_rows(len(p)))) if p else 1 for p in parts]
     n_micro = max(1, max(-(-len(p) // s) for p, s in zip(parts, sizes, strict=True)))
     return [Shard(p, loss_tokens, n_micro, s) for p, s in zip(parts, sizes, strict=True)]
+
+
+def split_step(rows: Sequence[TrainRow], world: int, n_minibatches: int, micro_rows: Any) -> list[list[Shard]]:
+    """Per rank, its shard of every minibatch of the step (``minibatches``, then ``split_rows`` of each)."""
+    per_minibatch = [split_rows(mb, world, micro_rows) for mb in minibatches(rows, n_minibatches)]
+    return [[shards[r] for shards in per_minibatch] for r in range(world)]
 
 
 def run_rank(run: Callable[[], int], parallel: Parallel) -> int:
@@ -113,6 +123,11 @@ class Parallel:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """The model is sharded by FSDP2 (which then casts parameters for compute itself)."""
+        return self.distributed and self.mode == "fsdp"
+
     @classmethod
     def from_env(cls, device: str, mode: str, timeout_s: float) -> Parallel:
         """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``…), or stay single."""
@@ -138,17 +153,20 @@ class Parallel:
 
     # --- the model -------------------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module to run forward on: the model itself, DDP around it, or the model sharded in place."""
+    def wrap(self, model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """The module to run forward on: the model itself, DDP around it, or the model sharded in place
+        (``compute_dtype``: FSDP2 gathers the parameters in it and reduces gradients in fp32)."""
         if not self.distributed:
             return model
         if self.mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            policy = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+                      if compute_dtype is not None else MixedPrecisionPolicy())
             inner = getattr(model, "model", None)
             for layer in getattr(inner, "layers", []):
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -159,7 +177,7 @@ class Parallel:
     def no_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
         """Accumulate without reducing gradients when ``skip`` (every micro-batch but the last)."""
         if not self.distributed or not skip:
-            if self.mode == "fsdp" and self.distributed:
+            if self.sharded:
                 module.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDP2/DDP method via Module.__getattr__
             yield
             return
@@ -173,7 +191,7 @@ class Parallel:
     def full_state(self, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """(full weights or None = save the model as is, optimizer state) — a collective under FSDP."""
-        if not (self.distributed and self.mode == "fsdp"):
+        if not self.sharded:
             return None, optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -186,8 +204,17 @@ class Parallel:
         optim = get_optimizer_state_dict(model, optimizer, options=opts)
         return weights, optim
 
+    def load_weights(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
+        """Full weights (every rank holds them) into the model, sharded or not."""
+        if not self.sharded:
+            model.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
     def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if not (self.distributed and self.mode == "fsdp"):
+        if not self.sharded:
             optimizer.load_state_dict(state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -216,9 +243,9 @@ class Parallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def command(self, kind: CommandKind, shards: list[Shard] | None = None, **meta: Any) -> Command:
-        """Rank 0: send ``kind`` (with rank i's shard) to every rank; returns rank 0's own command."""
-        cmds = [Command(kind, shards[i] if shards else None, meta) for i in range(self.world)]
+    def command(self, kind: CommandKind, shards: list[list[Shard]] | None = None, **meta: Any) -> Command:
+        """Rank 0: send ``kind`` (with rank i's shards) to every rank; returns rank 0's own command."""
+        cmds = [Command(kind, shards[i] if shards else [], meta) for i in range(self.world)]
         return self._scatter(cmds)
 
     def receive(self) -> Command:

@@ -29,6 +29,7 @@ from shared import stats
 from shared.config import DressageConfig
 from shared.lifecycle import StopFlag
 from shared.modeling import load_model, load_tokenizer, missing_files
+from shared.precision import compute_dtype, weight_dtype
 from shared.telemetry import prometheus_port
 from shared.versionbus import read_latest
 
@@ -58,9 +59,12 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
     if restored is None:
         torch.manual_seed(tc.seed)
     device = parallel.device(tc.device)
-    model = load_model(plan.weights_from, device=device, dtype=tc.dtype)
+    # train.precision: the weights in their training dtype (fp32 master weights unless bf16-pure), the
+    # frozen reference in the compute dtype
+    model = load_model(plan.weights_from, device=device, dtype=weight_dtype(tc.precision))
     tokenizer = load_tokenizer(plan.weights_from)
-    ref_model = load_model(cfg.model.path, device=device, dtype=tc.dtype) if tc.kl_coef > 0 else None
+    ref_model = (load_model(cfg.model.path, device=device, dtype=compute_dtype(tc.precision))
+                 if tc.kl_coef > 0 else None)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     learner = Learner(model, tc, pad_id, ref_model, parallel)
     if restored is not None:

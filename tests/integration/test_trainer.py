@@ -105,6 +105,23 @@ def test_restart_resumes_state_and_continues_version_numbers(
     assert stats(redis_client, keys)["batches_trained"] == 3
 
 
+def test_bf16_mixed_publishes_bf16_and_resumes_from_the_fp32_master_weights(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    cfg = trainer_config(tmp_path, model_dir, redis_server.url, keys.prefix, precision="bf16-mixed")
+    push(redis_client, keys, "b1", "b2")
+    first = open_trainer(cfg, redis_client, with_sinks=False)
+    first.run(burst=True)
+    newest = CheckpointStore(cfg.train.checkpoint_dir).complete()[-1].path
+    assert {t.dtype for t in load_file(newest / "model.safetensors").values()} == {torch.bfloat16}  # what engines load
+    second = open_trainer(cfg, redis_client, with_sinks=False)
+    assert isinstance(first, TrainerLoop) and isinstance(second, TrainerLoop)
+    master, resumed = first.learner.model.state_dict(), second.learner.model.state_dict()
+    assert all(v.dtype == torch.float32 and torch.equal(resumed[k], v) for k, v in master.items())
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in master.values())  # more than the bf16 copy
+
+
 def test_interval_two_acks_only_at_the_checkpoint_boundary(
         redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
     cfg = trainer_config(tmp_path, model_dir, redis_server.url, keys.prefix, update_weights_interval=2)

@@ -5,7 +5,9 @@ One history, five processes: ``python -m services.trainer --burst`` is run with
 each point of the protocol in turn, the state each crash leaves is checked, and a last clean run
 must end with: versions 0..N published once each in increasing order, no half-written checkpoint
 loaded, every batch trained exactly once (the checkpoints' consumed ids partition the batch ids
-and the final step count equals the batch count), nothing pending.
+and the final step count equals the batch count), nothing pending. With 4 minibatches per batch, a
+kill between two of a batch's optimizer steps leaves that batch untouched on disk and in Redis, and
+the resumed run ends on the weights of a run never killed.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+import torch
+from safetensors.torch import load_file
 from trainer_factory import batch_fields, tiny_model, trainer_config, write_config_yaml
 
 from services.trainer.checkpoint import CheckpointStore
@@ -45,9 +50,11 @@ def run_trainer(config: Path, fault: str | None = None) -> subprocess.CompletedP
 
 
 def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys,
-              background: bool = False, durable_every: int = 1, n_batches: int = N_BATCHES) -> tuple[Path, list[str]]:
+              background: bool = False, durable_every: int = 1, n_batches: int = N_BATCHES,
+              **train: Any) -> tuple[Path, list[str]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = trainer_config(tmp_path, model_dir, server.url, keys.prefix, background_commit=background,
-                         checkpoint_every_versions=durable_every)
+                         checkpoint_every_versions=durable_every, **train)
     ids = [r.xadd(keys.batches, batch_fields(f"b{i}")).decode() for i in range(1, n_batches + 1)]
     return write_config_yaml(tmp_path / "cfg.yaml", cfg), ids
 
@@ -112,6 +119,33 @@ def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "announcing complete checkpoint version=3" in proc.stderr
     check_history(r, keys, store, ids)
+
+
+def test_kill_between_minibatches_acknowledges_nothing_and_retrains_the_batch_whole(
+        redis_server: RedisProcess, redis_client: redis.Redis, keys: Keys, model_dir: Path, tmp_path: Path) -> None:
+    # 4 minibatches per batch under the decoupled loss: the trainer dies after b2's second optimizer step, its
+    # weights holding half of b2. Nothing of b2 may be checkpointed, acknowledged or published, and the restart
+    # retrains b2 whole from v1: the final weights are those of a run that was never killed.
+    r = redis_client
+    config, ids = setup_run(tmp_path / "killed", model_dir, redis_server, r, keys, minibatches_per_batch=4,
+                            policy_loss="decoupled")
+    store = CheckpointStore(tmp_path / "killed" / "ckpt")
+    err = crash(config, "between_minibatches:5")  # b1 reaches the point 3 times, b2 twice
+    assert "fault injection: SIGKILL at between_minibatches" in err
+    assert published_versions(r, keys) == ["0", "1"] and [i.version for i in store.complete()] == [0, 1]
+    assert pending_ids(r, keys) == [ids[1]] and int(r.hget(keys.stats, "batches_trained") or 0) == 1
+    proc = run_trainer(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_history(r, keys, store, ids)
+    assert store.load_state(store.complete()[-1])["learner"]["optimizer_steps"] == 4 * N_BATCHES
+
+    clean_keys = Keys(f"{keys.prefix}-clean")
+    clean_config, _ = setup_run(tmp_path / "clean", model_dir, redis_server, r, clean_keys, minibatches_per_batch=4,
+                                policy_loss="decoupled")
+    assert run_trainer(clean_config).returncode == 0
+    clean = CheckpointStore(tmp_path / "clean" / "ckpt")
+    killed_w, clean_w = (load_file(str(s.complete()[-1].path / "model.safetensors")) for s in (store, clean))
+    assert killed_w.keys() == clean_w.keys() and all(torch.equal(killed_w[k], clean_w[k]) for k in clean_w)
 
 
 def assert_safe(r: redis.Redis, keys: Keys, store: CheckpointStore, ids: list[str]) -> None:

@@ -2,8 +2,9 @@
 
 * one step on 2 ranks (DDP and FSDP2, ``torch.multiprocessing`` spawn) gives the weights, gradient
   norm and loss of one process on the same batch — including a split where one rank runs a
-  zero-weight micro-batch; under ``bf16-mixed`` FSDP2's bf16 compute over fp32 shards gives the
-  one-process autocast step within bf16's precision, and the master weights it exports are fp32;
+  zero-weight micro-batch, and a step of 2 minibatches × 2 epochs under the decoupled loss; under ``bf16-mixed`` (DDP with autocast, FSDP2 with bf16 compute over
+  fp32 shards) the step is the one-process autocast step within bf16's precision, and the master
+  weights exported are fp32;
 * ``torchrun --nproc-per-node 2 -m services.trainer --burst`` against a real Redis trains the stream
   like one process: same versions, same final weights;
 * SIGKILL of rank 1 in the middle of a step: nothing acknowledged, nothing published, no checkpoint;
@@ -33,6 +34,7 @@ from services.trainer.parallel import Parallel, run_rank, split_rows
 from shared.config import TrainConfig
 from shared.keys import GROUP_TRAINER, Keys
 from shared.modeling import load_model
+from shared.precision import Precision
 from shared.redisproc import RedisProcess, free_port
 from shared.schemas import Batch, Window
 from shared.versionbus import published_versions
@@ -54,17 +56,22 @@ def uneven_batch() -> Batch:
     return Batch(batch_id="u", groups=groups, trainer_version="0", window=Window(keep_versions=0, current_version="0"))
 
 
-def train_cfg(micro: int, precision: str = "fp32") -> TrainConfig:
-    return TrainConfig(lr=1e-3, micro_batch_size=micro, max_grad_norm=1.0, precision=precision)  # type: ignore[arg-type]  # a Precision name from the parametrization
+def train_cfg(micro: int, precision: Precision = "fp32", minibatches: int = 1) -> TrainConfig:
+    """``minibatches`` > 1: that many minibatches × 2 epochs under the decoupled loss."""
+    cfg = TrainConfig(lr=1e-3, micro_batch_size=micro, max_grad_norm=1.0, precision=precision)
+    if minibatches == 1:
+        return cfg
+    return cfg.model_copy(update={"minibatches_per_batch": minibatches, "epochs_per_batch": 2,
+                                  "policy_loss": "decoupled"})
 
 
 def _rank_main(rank: int, world: int, port: int, mode: str, model: str, micro: int, out: str,
-               precision: str = "fp32") -> None:
+               precision: Precision = "fp32", minibatches: int = 1) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     parallel = Parallel.from_env("cpu", mode, 120)
-    learner = Learner(load_model(model), train_cfg(micro, precision), 0, parallel=parallel)
+    learner = Learner(load_model(model), train_cfg(micro, precision, minibatches), 0, parallel=parallel)
 
     def body() -> int:
         if not parallel.is_leader:
@@ -81,8 +88,9 @@ def _rank_main(rank: int, world: int, port: int, mode: str, model: str, micro: i
     run_rank(body, parallel)  # the trainer's own exit path (os._exit under torch.distributed)
 
 
-def one_process_step(model: Path, micro: int, precision: str = "fp32") -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    learner = Learner(load_model(model), train_cfg(micro, precision), 0)
+def one_process_step(model: Path, micro: int, precision: Precision = "fp32",
+                     minibatches: int = 1) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    learner = Learner(load_model(model), train_cfg(micro, precision, minibatches), 0)
     metrics = learner.train_step([uneven_batch()])
     return metrics, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
 
@@ -119,9 +127,26 @@ def test_one_step_on_two_ranks_equals_one_process(mode: str, model_dir: Path, tm
         torch.testing.assert_close(got["weights"][k], v, rtol=1e-5, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")  # type: ignore[misc]  # k bound per iteration
 
 
-def test_fsdp_bf16_mixed_computes_in_bf16_over_fp32_shards(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_minibatches_and_epochs_on_two_ranks_equal_one_process(mode: str, model_dir: Path, tmp_path: Path) -> None:
+    # 2 minibatches x 2 epochs, decoupled loss, 1 row per micro-batch: minibatch 1 has 3 rows, so rank 1 runs a
+    # zero-weight micro-batch in each of its optimizer steps and an empty forward in the proximal pass
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank_main, args=(2, free_port(), "fsdp", str(model_dir), 3, str(out), "bf16-mixed"), nprocs=2,
+    mp.spawn(_rank_main, args=(2, free_port(), mode, str(model_dir), 1, str(out), "fp32", 2), nprocs=2, join=True)
+    got = torch.load(out, weights_only=False)
+    metrics, weights = one_process_step(model_dir, 1, minibatches=2)
+    assert got["metrics"]["train/optimizer_steps"] == metrics["train/optimizer_steps"] == 4
+    for key in ("train/grad_norm", "train/loss", "train/ess", "train/mismatch_kl", "train/clip_frac_minibatch_max"):
+        assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+    for k, v in weights.items():
+        torch.testing.assert_close(got["weights"][k], v, rtol=1e-5, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")  # type: ignore[misc]  # k bound per iteration
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_bf16_mixed_on_two_ranks_computes_in_bf16_over_fp32_weights(mode: str, model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    out = tmp_path / "rank0.pt"  # DDP: autocast as one process; FSDP2: its MixedPrecisionPolicy on fp32 shards
+    mp.spawn(_rank_main, args=(2, free_port(), mode, str(model_dir), 3, str(out), "bf16-mixed"), nprocs=2,
              join=True)
     got = torch.load(out, weights_only=False)
     metrics, weights = one_process_step(model_dir, 3, "bf16-mixed")

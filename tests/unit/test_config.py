@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
 from shared.config import load_config
 from shared.errors import ConfigError
@@ -63,7 +64,15 @@ def test_required_password_refuses_defaults_without_echoing_it() -> None:
     assert cfg.redis.password is not None and "s3cret" not in repr(cfg.redis)
 
 
-REPO = Path(__file__).resolve().parents[2]
+def test_a_password_in_redis_url_satisfies_the_policy_and_is_the_one_used() -> None:
+    env = {"DRESSAGE_REDIS_REQUIRE_PASSWORD": "true", "REDIS_URL": "redis://:s3cret%2Flong@127.0.0.1:6379/0"}
+    assert load_config(None, env=env).redis.secret() == "s3cret/long"  # docs/gpu.md's bare-metal recipe
+    with pytest.raises(ConfigError, match="password"):
+        load_config(None, env={**env, "REDIS_URL": "redis://:changeme@127.0.0.1:6379/0"})
+    explicit = load_config(None, env={**env, "REDIS_PASSWORD": "another-long-one"})
+    assert explicit.redis.secret() == "another-long-one"  # redis.password / REDIS_PASSWORD first
+
+
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)

@@ -13,6 +13,7 @@ from services.trainer.loss import (
     entropy_sum,
     group_advantages,
     kl_k3,
+    offpolicy_sums,
     policy_loss,
     sample_advantages,
     token_logprobs,
@@ -166,8 +167,8 @@ def test_loss_is_a_token_mean_over_the_step_and_ignores_masked_tokens() -> None:
 
 def test_logprob_abs_diff_sums_over_loss_tokens_only() -> None:
     logp, rollout = t([0.0, -1.0, -2.0, -9.0]), t([0.0, -1.5, -1.0, 0.0])
-    parts = policy_loss(logp, rollout, torch.tensor([0.0]), t([0.0, 1.0, 1.0, 0.0]), 2, LossConfig())
-    assert parts.sums["logprob_abs_diff"] / 2 == pytest.approx(0.75)  # (0.5 + 1.0) / 2
+    sums = offpolicy_sums(logp, rollout, t([0.0, 1.0, 1.0, 0.0]), cap=5.0)
+    assert sums["logprob_abs_diff"] / 2 == pytest.approx(0.75)  # (0.5 + 1.0) / 2
 
 
 def test_tis_weights_the_gradient_by_the_truncated_ratio_to_the_behaviour_policy() -> None:

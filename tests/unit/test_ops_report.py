@@ -100,3 +100,20 @@ def test_counters_never_incremented_count_as_zero_once_snapshots_exist() -> None
     assert series.counters_over_time([{"service": "trainer", "ts": 1.0}]) == {}
     table = dict(series.summary(rows))
     assert table["groups dead lettered"] == "0" and table["groups reenqueued"] == "1"
+
+
+def test_report_prints_whom_the_window_dropped_from_the_runs_decisions(tmp_path: Path, capsys: Any) -> None:
+    write_jsonl(tmp_path / "metrics.jsonl", synthetic_rows())
+    base = dict(attempt=0, versions=["1"], gaps=[0], keep_versions=1, current_version="1", cutoff_version="1",
+                window_decided=True, at=1.0)
+    lines = [{"id": f"{i}-0", **base, "group_id": f"t{i}", "decision": "trained", "outcome": "batched",
+              "reason": "in_window", "batch_id": "b", "response_tokens": [10 + 2 * i, 12], "rewards": [1.0, 0.0]}
+             for i in range(6)]
+    lines.append({"id": "9-0", **base, "group_id": "d", "decision": "dropped", "outcome": "reenqueued",
+                  "reason": "stale", "response_tokens": [90, 70], "rewards": [0.0, 0.0]})
+    (tmp_path / "decisions.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert report.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "80.0 vs 13.5 (1 vs 6 groups), Mann-Whitney p=" in printed  # response tokens, dropped vs trained
+    assert "0.000 vs 0.500 (1 vs 6 groups)" in printed  # pass rate
+    assert "trained group's age: in flight / queued" in printed

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 from trainer_factory import SMALL_SPEC, VOCAB
 
 from services.trainer.checkpoint import (
+    DIR_MODE,
+    FILE_MODE,
     MANIFEST,
     STATE_FILE,
     CheckpointError,
@@ -50,6 +54,20 @@ def test_written_checkpoint_is_complete_loadable_and_leaves_no_temp(tmp_path: Pa
     model = load_model(info.path)
     ref = model_and_tok[0].state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_checkpoints_and_snapshots_are_readable_by_another_user_under_a_strict_umask(tmp_path: Path,
+                                                                                    model_and_tok) -> None:
+    old = os.umask(0o077)  # a hardened host; the engine (a non-root SGLang, NFS root-squash) is another user
+    try:
+        store = CheckpointStore(tmp_path)
+        placed = [write(store, 1, model_and_tok).path, snapshot(store, 2, model_and_tok).path]
+    finally:
+        os.umask(old)
+    for root in placed:
+        for path in [root, *root.rglob("*")]:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode == (DIR_MODE if path.is_dir() else FILE_MODE) == (0o755 if path.is_dir() else 0o644), path
 
 
 def test_a_version_directory_is_never_overwritten(tmp_path: Path, model_and_tok) -> None:

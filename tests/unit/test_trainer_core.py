@@ -200,19 +200,24 @@ def test_fault_spec_parses_points_and_counts() -> None:
 # --- entry points ---
 
 
-def test_entry_points_refuse_a_bad_config_with_exit_code_2(tmp_path: Path) -> None:
+def test_entry_points_refuse_a_bad_config_with_exit_code_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from services.eval_worker.main import main as eval_main
     from services.trainer.main import main as trainer_main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  clip_eps: -1\n")
+    small_lr = tmp_path / "small-lr.yaml"  # bf16 weights cannot take lr 1e-6 (shared.precision)
+    small_lr.write_text("train:\n  precision: bf16-pure\n  lr: 0.000001\n")
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # the mains install their own log handler
     try:
         assert trainer_main(["--config", str(bad)]) == 2
         assert eval_main(["--config", str(tmp_path / "missing.yaml")]) == 2
+        assert trainer_main(["--config", str(small_lr)]) == 2
     finally:
         root.handlers[:], root.level = handlers, level
+    assert "cannot start: invalid configuration: train: Value error, train.lr=1e-06 is too small for bfloat16 " \
+           "weights (train.precision=bf16-pure)" in capfd.readouterr().err
 
 
 def test_version_gap_hist_counts_trajectories_per_gap() -> None:
