@@ -21,10 +21,19 @@ UPSTREAM_UNAVAILABLE = "upstream_unavailable"  # 503: no engine reachable (refus
 OVER_CAPACITY = "over_capacity"  # 503: backpressure, waited out by the client (never a failure)
 PROXY_UNREACHABLE = "proxy_unreachable"  # the proxy refused the connection (down or restarting)
 PROXY_TIMEOUT = "proxy_timeout"  # no answer from the proxy in time
-UNKNOWN_SESSION = "unknown_session"  # 404: the proxy lost the session (e.g. it restarted)
+# 404: the proxy does not know the session (it restarted, or the session was finalized and dropped); the
+# proxy's own code, kept by the worker (attempts written before 2026-12-06 say "unknown_session")
+SESSION_NOT_FOUND = "session_not_found"
 TRAJECTORY_TIMEOUT = "trajectory_timeout"  # the trajectory ran past rollout.trajectory_timeout_s
 INVALID_PROMPT_GROUP = "invalid_prompt_group"  # unknown task / refused reference: no retry can fix it
-INTERNAL_ERROR = "internal_error"  # a bug in a task plugin or the runner
+INTERNAL_ERROR = "internal_error"  # a bug: in the runner, or the proxy's own 500
+TASK_ERROR = "task_error"  # a task's own code raised, or scored a NaN/inf: not retried (doubles as a dead-letter reason)
+# Proxy refusals of a request (4xx/503 ``detail.error``), never a rollout failure code of their own.
+INVALID_REQUEST = "invalid_request"  # 422: a body or header fails validation (``field`` names it)
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # 400: accepted upstream, changes the result, not implemented
+SESSION_CONFLICT = "session_conflict"  # 409: finalized, step limit, mode mismatch
+PROXY_SHUTTING_DOWN = "proxy_shutting_down"  # 503: the proxy is draining
+AGENT_REWARD_INVALID = "agent_reward_invalid"  # a black-box agent's final stdout line reported an unusable reward
 
 # Proxy 502 codes that a trajectory fails with as they are.
 PROXY_502_CODES = frozenset({STALENESS_EXCEEDED, TRAJECTORY_VERSION_CHANGED, GENERATION_PREEMPTED})

@@ -6,14 +6,16 @@ loading its AOF is transient: it is waited out with exponential backoff capped a
 or an ACL user that may not even PING, is not transient — redis-py reports it as a *connection*
 error, so a reconnect loop would retry it forever — and raises ``RedisAuthFailed`` at once. Its
 message names the endpoint, the user and the settings to fix, never the password.
-``Backoff`` is the bounded exponential delay schedule used here (0.1 s doubling up to the cap).
+``Backoff`` is the bounded exponential delay schedule used here (0.1 s doubling up to the cap), and
+``retry_until`` the same wait around any async attempt (the proxy's ``/flush_cache`` after a weight load).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
@@ -72,3 +74,17 @@ def check_redis(r: redis.Redis, timeout_s: float | None = None, backoff_max_s: f
                 raise RedisUnavailable(f"redis at {endpoint(r)} did not answer within {timeout_s}s: {exc}") from None
             log.warning("redis at %s not reachable (%s); retrying in %.1fs", endpoint(r), exc, delay)
             sleep(delay)
+
+
+async def retry_until(attempt: Callable[[], Awaitable[bool]], timeout_s: float, backoff: Backoff | None = None,
+                      sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> bool:
+    """Await ``attempt()`` until it returns True, waiting ``backoff.next()`` between tries; False once the
+    next wait would end past ``timeout_s``. An exception from ``attempt`` ends it (not transient here)."""
+    backoff = backoff or Backoff()
+    deadline = time.monotonic() + timeout_s
+    while not await attempt():
+        delay = backoff.next()
+        if time.monotonic() + delay > deadline:
+            return False
+        await sleep(delay)
+    return True

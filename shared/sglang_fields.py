@@ -2,12 +2,22 @@
 
 The engine refuses them on ``/generate`` and the proxy on ``/v1/generate`` with a 400 naming the
 field, so docs/engine.md, docs/proxy.md and the refusal messages agree. A field counts as set when
-it is not null / false / empty (``is_set``), as SGLang treats an unset field.
+it is not null / false / empty (``is_set``), as SGLang treats an unset field. Also the two names the
+other way round: the fields only this project's engine knows (never sent to SGLang) and the
+``version`` it answers with, so the proxy can tell it from SGLang.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# The ``version`` this project's engine reports in ``/get_server_info`` and ``/v1/loads`` (SGLang reports
+# its release, "0.5.12"): how the proxy tells the two apart (shared/sglang_compat.py).
+OWN_ENGINE_VERSION = "dressage-engine"
+
+# ``/generate`` fields this project's engine adds to SGLang's: SGLang does not know them, so they are
+# sent to this project's engine only.
+EXTENSION_FIELDS = frozenset({"continue_across_weight_updates"})
 
 # What SGLang would do with these needs a part this system does not have.
 REFUSED: dict[str, str] = {

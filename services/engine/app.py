@@ -30,6 +30,7 @@ from services.engine.requests import (
 )
 from services.engine.service import EngineService
 from services.engine.weights import WeightLoadError
+from shared.sglang_fields import OWN_ENGINE_VERSION
 
 __all__ = ["EngineService", "build_app"]
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
@@ -138,7 +139,7 @@ def build_app(service: EngineService) -> FastAPI:
                     lines += [f"# TYPE {name} gauge", f'{name}{{dp_rank="0"}} {v}']
             return PlainTextResponse("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
         return JSONResponse({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                             "version": "dressage-engine", "accelerator": None, "num_accelerators": 0,
+                             "version": OWN_ENGINE_VERSION, "accelerator": None, "num_accelerators": 0,
                              "loads": [load]})
 
     @app.get("/metrics")
@@ -154,9 +155,11 @@ def build_app(service: EngineService) -> FastAPI:
     async def get_weight_version() -> dict[str, Any]:
         return {"weight_version": sched.weight_version}
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        return {**service.model_info(), **sched.counts()}
+        # ``version`` tells the proxy this is not SGLang (whose ``version`` is its release number).
+        return {**service.model_info(), **sched.counts(), "version": OWN_ENGINE_VERSION}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -4,8 +4,11 @@ Sections (docs/operations.md gives the redis-cli command behind each): VERSION, 
 GROUPS (pending, lag, consumers with idle times), PIPELINE ({p}:stats counters and groups in
 flight), DEAD (by reason), THROUGHPUT ({p}:metrics over the last minute, and {p}:stats deltas
 between two refreshes), TIME (where the wall-clock goes: the trainer's wait/train/checkpoint/publish
-fractions since it started, the engine's busy fraction over the last minute; ``services.ops.timing``), LIVENESS (heartbeat keys and their TTLs), ENGINES (HTTP /health and loaded
-weight version: the engine speaks SGLang's API and writes nothing to Redis). ``render`` is pure:
+fractions since it started, the engine's busy fraction over the last minute; ``services.ops.timing``), DATASET
+(rows the prompt-buffer read, malformed rows it skipped), LIVENESS (heartbeat keys and their TTLs), ENGINES (HTTP health and loaded
+weight version, asked by the rules the proxy uses (``shared.sglang_compat``), so that this project's
+engine and each SGLang release are spoken to as the proxy speaks to them: SGLang's /health takes >= 1 s, its weight version
+moved to /model_info in 0.5.21; the engines write nothing to Redis). ``render`` is pure:
 snapshot in, text out. Where to look: ``--redis-url``/``--prefix``, else ``--run DIR`` (its run.json), else
 ``--config``/``REDIS_URL``, else the newest ``dressage up`` run (``runs/latest/run.json``).
 """
@@ -17,12 +20,12 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from services.ops import series, timing
 from services.ops.plan import public_url
@@ -30,31 +33,50 @@ from services.ops.snapshot import Snapshot, collect
 from shared.config import load_config
 from shared.errors import ConfigError
 from shared.keys import Keys
+from shared.sglang_compat import INFO_ROUTES, dialect_for, weight_version_of
 
 # Services that write heartbeat keys. The engine speaks SGLang's API and never touches Redis: it
-# is probed over HTTP instead (ENGINES line: /health and /get_weight_version).
+# is probed over HTTP instead (ENGINES line: its health and weight-version routes).
 SERVICES = ("proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker")
 
 
-def probe_engines(urls: Sequence[str], timeout: float = 1.0) -> list[tuple[str, str]]:
-    """(url, state) per engine: alive with its loaded weight version, or down."""
-    out: list[tuple[str, str]] = []
-    for url in urls:
-        base = url.rstrip("/")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=timeout):  # noqa: S310 - operator-given URL
-                pass
-        except (urllib.error.URLError, OSError, ValueError):
-            out.append((public_url(base), "DOWN (/health unreachable)"))
+def probe_engines(urls: Sequence[str], timeout: float = 1.0, health_timeout_s: float = 5.0,
+                  engine_key: str | None = None) -> list[tuple[str, str]]:
+    """(url, state) per engine: alive with its dialect and loaded weight version, or down and why.
+    ``health_timeout_s`` bounds an SGLang health check (a generation, >= 1 s); ``timeout`` the rest."""
+    headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
+    with httpx.Client(headers=headers) as client:
+        return [(public_url(u), _engine_state(client, u.rstrip("/"), timeout, health_timeout_s)) for u in urls]
+
+
+def _get(client: httpx.Client, url: str, routes: Sequence[str], timeout: float) -> Any:
+    """The JSON body of the first of ``routes`` that does not 404 (the dialect's fallback order);
+    None when none answers 200 with JSON. httpx.HTTPError when the engine cannot be reached."""
+    for route in routes:
+        r = client.get(url + route, timeout=timeout)
+        if r.status_code == 404:
             continue
-        version = "?"
         try:
-            with urllib.request.urlopen(f"{base}/get_weight_version", timeout=timeout) as resp:  # noqa: S310
-                version = str(json.loads(resp.read()).get("weight_version", "?"))
-        except (urllib.error.URLError, OSError, ValueError, AttributeError):
-            pass
-        out.append((public_url(base), f"alive (weight_version {version})"))
-    return out
+            return r.json() if r.status_code == 200 else None
+        except ValueError:
+            return None
+    return None
+
+
+def _engine_state(client: httpx.Client, url: str, timeout: float, health_timeout_s: float) -> str:
+    """One engine, spoken to in its dialect (shared.sglang_compat: the routes the proxy uses)."""
+    try:
+        dialect = dialect_for(_get(client, url, INFO_ROUTES, health_timeout_s))
+        health = client.get(url + dialect.health_route, timeout=health_timeout_s if dialect.slow_health else timeout)
+    except httpx.HTTPError:
+        return "DOWN (/health unreachable)"
+    if health.status_code != 200:
+        return f"DOWN (/health answered {health.status_code})"  # SGLang: 503 while starting or unhealthy
+    try:
+        version = weight_version_of(_get(client, url, dialect.weight_version_routes, timeout))
+    except httpx.HTTPError:
+        version = None
+    return f"alive ({dialect.name}, weight_version {version or '?'})"
 
 
 def _ago(seconds: float | None) -> str:
@@ -114,6 +136,11 @@ def render(s: Snapshot, previous: Snapshot | None = None, expected: Sequence[str
         out.append("CONTROL     " + "  ".join(f"{k}={v}" for k, v in sorted(s.control.items())))
     if s.brake and s.brake.get("engaged") == "1":
         out.append(f"PAUSED      prompt-buffer admits nothing (dead-letter brake): {s.brake.get('why', '?')}")
+    if s.dataset:
+        d = s.dataset
+        bad = f"  first: {d['first_error']}" if d.get("first_error") else ""
+        out.append(f"DATASET     {d.get('path', '?')}: {d.get('rows', '?')} rows, "
+                   f"{d.get('malformed', '0')} malformed rows skipped{bad}")
     for name, why in sorted(s.degraded.items()):
         out.append(f"DEGRADED    optional service {name} is down: {why}")
     out.append("STREAMS     " + "  ".join(f"{k} {v}" for k, v in s.streams.items()))
@@ -158,13 +185,17 @@ class Target:
     password: str | None
     expected: list[str]  # services that should have a heartbeat key
     engines: list[str]  # engine base URLs to probe over HTTP
+    engine_health_timeout_s: float = 5.0  # proxy.engine_health_timeout_s (SGLang's /health: >= 1 s)
+    engine_key: str | None = None  # proxy.engine_api_key, sent to the engines
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
     """Where to look, from the flags, a run dir (run.json), or a config (+ env)."""
     cfg = load_config(args.config)
     expected = [s for s in SERVICES if s != "eval-worker" or cfg.eval.live]  # a deferred one runs after the run
-    pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
+    pw = cfg.redis.secret()
+    health_s = cfg.proxy.engine_health_timeout_s
+    engine_key = cfg.proxy.engine_api_key.get_secret_value() if cfg.proxy.engine_api_key else None
     run_json: Path | None = None
     if args.run:
         run_json = Path(args.run) / "run.json"
@@ -175,9 +206,9 @@ def resolve_target(args: argparse.Namespace) -> Target:
         info = json.loads(run_json.read_text())
         services = [s for s in info.get("services", expected) if s in SERVICES]
         return Target(args.redis_url or info["redis_url"], args.prefix or info["prefix"], pw, services,
-                      list(info.get("engines", [])))
+                      list(info.get("engines", [])), health_s, engine_key)
     return Target(args.redis_url or cfg.redis.url, args.prefix or cfg.redis.prefix, pw, expected,
-                  list(cfg.proxy.engines))
+                  list(cfg.proxy.engines), health_s, engine_key)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -209,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             snap = collect(r, keys)
-            screen = render(snap, previous, t.expected, where, probe_engines(t.engines))
+            screen = render(snap, previous, t.expected, where,
+                            probe_engines(t.engines, health_timeout_s=t.engine_health_timeout_s, engine_key=t.engine_key))
             if args.watch and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")
             sys.stdout.write(screen + "\n")

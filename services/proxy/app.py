@@ -54,6 +54,7 @@ from services.proxy.schemas import (
     GenerateRequest,
     PauseRequest,
     ResumeRequest,
+    RewardReport,
     parse,
     refuse_generate_fields,
     refuse_unknown,
@@ -62,6 +63,7 @@ from services.proxy.schemas import (
 from services.proxy.sessions import Session, check_session_id
 from services.proxy.turns import LiveTurn, TurnPlan, TurnResult, run_turn, run_turns
 from shared.edge import BadJson, loads_json
+from shared.tasks.reasoning import ReasoningParser
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", ChatRequest, ResponsesRequest, MessagesRequest)
@@ -161,6 +163,11 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         await live.started()  # a refusal before the turn is admitted is still an HTTP error; later ones are in-band
         return StreamingResponse(streamed(live, req), media_type="text/event-stream", headers=headers)
 
+    def reasoning_of(req: ChatRequest) -> ReasoningParser | None:
+        """The reasoning split of a whole (not streamed) chat completion: ``proxy.reasoning_parser`` unless
+        the request asks ``separate_reasoning: false``."""
+        return rt.cfg.reasoning_parser if req.separate_reasoning else None
+
     def chat_logprobs(req: ChatRequest) -> int | None:
         return (req.top_logprobs or 0) if req.logprobs else None
 
@@ -186,7 +193,8 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
         for res in done:
             if isinstance(res, BaseException):
                 raise res
-        bodies = [fmt.chat_completion(res, rt.model_name, chat_logprobs(req), req.return_token_ids, token_text)
+        bodies = [fmt.chat_completion(res, rt.model_name, chat_logprobs(req), req.return_token_ids, token_text,
+                                      reasoning_of(req))
                   for res in done if not isinstance(res, BaseException)]
         return JSONResponse(fmt.merge_choices(bodies), headers={"X-Session-Ids": ",".join(sids)})
 
@@ -195,7 +203,8 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
             return await chat_choices(request, path_sid, sids)
         return await surface(
             request, path_sid, CHAT_UNSUPPORTED, CHAT_NO_EFFECT, ChatRequest, lambda r: chat_plan(r, rt.cfg.max_tokens_limit),
-            lambda res, r: fmt.chat_completion(res, rt.model_name, chat_logprobs(r), r.return_token_ids, token_text),
+            lambda res, r: fmt.chat_completion(res, rt.model_name, chat_logprobs(r), r.return_token_ids, token_text,
+                                               reasoning_of(r)),
             lambda live, r: fmt.chat_stream(live, rt.model_name, bool(r.stream_options and r.stream_options.include_usage),
                                             chat_logprobs(r), r.return_token_ids, token_text))
 
@@ -252,6 +261,17 @@ def build_app(rt: ProxyRuntime) -> FastAPI:
     def _known(session_id: str) -> Session:
         """The session, if the caller's credential may see it (``services.proxy.auth``); else 404."""
         return rt.sessions.get(check_session_id(session_id, "session_id"), principal=PRINCIPAL.get())
+
+    async def report_reward(request: Request) -> Response:
+        """The agent's own reward for its session (``/s/{session}/v1/reward`` only: a session token is valid
+        for its own session, so a report for another session is refused by the guard, 403). The session
+        must exist (it made a model call) and not be finalized: 404 / 409 otherwise."""
+        req = parse(RewardReport, await _json_body(request))
+        s = _known(str(request.path_params["session_id"]))
+        s.report_reward(req.reward, req.components)
+        return JSONResponse({"session_id": s.session_id, **(s.agent_reward or {})})
+
+    app.add_route("/s/{session_id}/v1/reward", report_reward, methods=["POST"])
 
     @app.get("/v1/sessions/{session_id}")
     async def read_session(session_id: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Which engine serves a session: the least loaded one for a new session, the same one after (sticky).
 
-Pure bookkeeping, no I/O (the runtime feeds it the engines' ``/get_load`` answers).
+Pure bookkeeping, no I/O (the runtime feeds it the engines' load answers: ``/get_load``, or
+``/v1/loads``' per-rank ``loads`` for SGLang 0.5.21+).
 
 Invariants:
 * a session stays on the engine that served its last chunk while that engine is routable (its

@@ -64,4 +64,4 @@ def chat_plan(req: ChatRequest, default_max_tokens: int) -> TurnPlan:
         parse_tools=req.tool_choice != "none", stops=req.stop_strings(), temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, seed=req.seed, engine_params=engine,
         stop_token_ids=req.stop_token_ids, top_logprobs=top, stream=req.stream,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, template_kwargs=req.chat_template_kwargs)

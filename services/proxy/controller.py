@@ -42,7 +42,8 @@ Invariants (asyncio, one event loop; no await between a check and the state chan
   resumed on another engine from the tokens the proxy holds (the prompt, the earlier chunks, and
   in streaming the tokens already streamed) — in partial and non-partial mode alike, since no
   weight version changed. ``mark_up`` (the runtime's probe saw ``/health`` answer) lets it rejoin
-  through the catch-up path: held *behind* until it serves ``target``.
+  through the catch-up path: held *behind* until it serves ``target``. The engine client asks a
+  down engine again what it speaks before its next use (it may have come back as another release).
 """
 
 from __future__ import annotations
@@ -306,6 +307,7 @@ class GenerationController:
         """Route nothing to ``url`` until ``mark_up``; it will have to catch up to ``target`` too."""
         if url not in self.down:
             self.down.add(url)
+            self.client.forget(url)  # it may come back as another release: asked again what it speaks
             log.warning("engine=%s marked down: %s (engines down=%d of %d)", url, why, len(self.down),
                         len(self.client.engines))
         self.mark_behind(url, why)

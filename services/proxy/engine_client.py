@@ -10,10 +10,19 @@ Contract:
   and one version per output token (``meta_info.output_token_versions``, else the response's
   ``weight_version`` for every token), and whether the engine reports the request aborted.
 * Aborts go to the engine the rid was sent to (the caller keeps that URL).
+* Each engine is asked once what it is (``/server_info``, else ``/get_server_info``) and then
+  spoken to in its dialect (``sglang_compat``: this project's engine, or SGLang 0.5.9 - 0.5.23):
+  the load, weight-version and health routes, a weight load that cannot trip SGLang's flush
+  assert, and no ``/generate`` field the engine does not know. ``forget(url)`` asks again (an
+  engine that went down may come back as another release). With ``live_updates`` an engine that
+  cannot load under running requests (SGLang) is refused: never used, its health check fails.
+* A streamed error (SGLang: ``data: {"error": ...}`` in a 200) raises the error the same answer
+  raises unstreamed (``UpstreamStreamError``: same status and body), never an empty "stop" chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -22,8 +31,21 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from services.proxy.errors import UpstreamError, UpstreamUnavailable
+from services.proxy.errors import UpstreamError, UpstreamStreamError, UpstreamUnavailable
 from shared.http_transport import ConnectFailed, RawHttp, RequestFailed, Transport
+from shared.retry import Backoff, retry_until
+from shared.sglang_compat import (
+    FLUSH_ROUTE,
+    INFO_ROUTES,
+    Dialect,
+    RouteKind,
+    dialect_for,
+    live_refusal,
+    loads_of,
+    sendable,
+    stream_error,
+    weight_version_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +172,17 @@ class EngineClient:
 
     def __init__(self, engines: list[str], connect_timeout_s: float = 2.0, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
-                 transport: Transport | None = None, engine_api_key: str | None = None) -> None:
+                 transport: Transport | None = None, engine_api_key: str | None = None,
+                 health_timeout_s: float = 5.0, live_updates: bool = False) -> None:
         self.engines = [e.rstrip("/") for e in engines]
         # Clients see ``engine-<i>`` (its index in proxy.engines), never an engine URL: URLs are internal topology.
         self._names = {e: f"engine-{i}" for i, e in enumerate(self.engines)}
         self._no_stream: set[str] = set()  # engines that refused ``stream: true`` (served whole instead)
         self._request_timeout = request_timeout_s
         self._control_timeout, self._abort_timeout = control_timeout_s, abort_timeout_s
+        self._health_timeout = health_timeout_s  # SGLang's /health runs a generation: >= 1 s
+        self._live = live_updates  # proxy.weight_updates: live (engines that cannot are refused)
+        self._dialects: dict[str, Dialect] = {}  # by engine URL, once identified
         # Tests pass an HttpxTransport routed to in-process ASGI fakes.
         self._http: Transport = transport or RawHttp(connect_timeout=connect_timeout_s, bearer=engine_api_key)
 
@@ -168,6 +194,54 @@ class EngineClient:
 
     def route(self, session_id: str) -> list[str]:
         return rank_engines(self.engines, session_id) if len(self.engines) > 1 else list(self.engines)
+
+    async def dialect(self, url: str) -> Dialect:
+        """How ``url`` speaks, asked once. UpstreamUnavailable (``connected=False``: nothing was sent
+        to generate) when it cannot be asked now, or cannot serve this proxy (``live_updates``)."""
+        d = self._dialects.get(url)
+        if d is None:
+            d = self._dialects[url] = await self._identify(url)
+        if self._live and (why := live_refusal(d)):
+            raise UpstreamUnavailable(f"engine {self._name(url)} not used: {why}", connected=False)
+        return d
+
+    async def _identify(self, url: str) -> Dialect:
+        info: Any = None
+        for path in INFO_ROUTES:
+            try:
+                status, data = await self._call("GET", url, path, None, self._health_timeout)
+            except UpstreamUnavailable as exc:
+                raise UpstreamUnavailable(f"engine {self._name(url)} not identified ({exc.message})",
+                                          connected=False) from None
+            if status == 404:
+                continue
+            if status >= 300 or not isinstance(data, dict):
+                raise UpstreamUnavailable(f"engine {self._name(url)} answered {status} to {path}", connected=False)
+            info = data
+            break
+        d = dialect_for(info)
+        if d.note:
+            log.warning("engine %s speaks %s: %s", self._name(url), d.name, d.note)
+        else:
+            log.info("engine %s speaks %s", self._name(url), d.name)
+        if self._live and (why := live_refusal(d)):
+            log.error("engine %s is not used: %s", self._name(url), why)
+        return d
+
+    def forget(self, url: str) -> None:
+        """Identify ``url`` again before its next use (it went down: it may come back as another release)."""
+        self._dialects.pop(url, None)
+
+    async def identify_all(self) -> dict[str, Dialect | None]:
+        """Every engine's dialect (None: not reachable now), refusing none (the start-up check reads them)."""
+        async def one(url: str) -> Dialect | None:
+            try:
+                d = self._dialects[url] = self._dialects.get(url) or await self._identify(url)
+            except UpstreamUnavailable:
+                return None
+            return d
+        found = await asyncio.gather(*(one(u) for u in self.engines))
+        return dict(zip(self.engines, found, strict=True))
 
     async def _call(self, method: str, url: str, path: str, body: Any | None, timeout: float) -> tuple[int, Any]:
         """``(status, parsed JSON or text)``; transport failures become UpstreamUnavailable."""
@@ -188,12 +262,14 @@ class EngineClient:
 
         With ``body["stream"]`` the engine's SSE events are read as they come: ``on_delta`` gets
         each event's new tokens, and the returned chunk holds them all (the last event's finish)."""
+        body = sendable(body, await self.dialect(url))
         if body.get("stream"):
             if url not in self._no_stream:
                 try:
                     return await self._generate_stream(url, body, on_delta or (lambda c: None))
                 except UpstreamError as exc:
-                    if exc.extra.get("engine_status") not in (400, 422) or "stream" not in exc.extra["engine_detail"]:
+                    if (isinstance(exc, UpstreamStreamError) or exc.extra.get("engine_status") not in (400, 422)
+                            or "stream" not in exc.extra["engine_detail"]):
                         raise
                     # An engine without SGLang's streaming: nothing ran; ask it whole from now on.
                     log.warning("engine %s does not stream /generate; using whole responses", self._name(url))
@@ -214,6 +290,7 @@ class EngineClient:
     async def generate_batch(self, url: str, body: dict[str, Any], size: int) -> list[Chunk]:
         """POST a batched ``{url}/generate`` (SGLang's list of prompts, one ``rid`` each); the engine
         answers a JSON list, one response per prompt in order. Errors as ``generate``."""
+        body = sendable(body, await self.dialect(url))
         status, data = await self._call("POST", url, "/generate", body, self._request_timeout)
         if status >= 400:
             raise UpstreamError(f"engine {self._name(url)} answered {status}", engine_status=status,
@@ -235,9 +312,15 @@ class EngineClient:
                     if data == b"[DONE]":
                         continue
                     try:
-                        event = parse_generate(json.loads(data))
+                        raw = json.loads(data)
                     except ValueError:
                         raise UpstreamError(f"engine {self._name(url)} streamed a non-JSON event") from None
+                    if (err := stream_error(raw)) is not None:
+                        # SGLang's in-stream error (HTTP 200): the error its unstreamed answer is (a 400).
+                        log.warning("engine %s reported an error mid-stream: %s", self._name(url), _short(str(err)))
+                        raise UpstreamStreamError(f"engine {self._name(url)} answered 400", engine_status=400,
+                                                  engine_detail=_short(str(err)))
+                    event = parse_generate(raw)
                     delta = stream_delta(event, total.output_ids if total else [])
                     total = delta if total is None else Chunk(
                         total.output_ids + delta.output_ids, total.logprobs + delta.logprobs,
@@ -269,40 +352,86 @@ class EngineClient:
         return status < 300
 
     async def update_weights(self, url: str, model_path: str, version: str) -> dict[str, Any]:
-        """``POST /update_weights_from_disk``; raises UpstreamError/UpstreamUnavailable on failure."""
-        body = {"model_path": model_path, "weight_version": version}
+        """``POST /update_weights_from_disk``; raises UpstreamError/UpstreamUnavailable on failure.
+
+        SGLang: the cache flush around the load is made to succeed (``Dialect.drain_before_load`` /
+        ``flush_after_load``), so its scheduler's flush assert cannot fire."""
+        d = await self.dialect(url)
+        if d.drain_before_load:  # the engine flushes after the load and dies if that fails: load only when idle
+            await self._flush(url, version, "before the load")
+        body = {"model_path": model_path, "weight_version": version, **d.load_fields}
         status, data = await self._call("POST", url, "/update_weights_from_disk", body, self._control_timeout)
         if status >= 300 or (isinstance(data, dict) and data.get("success") is False):
             raise UpstreamError(f"engine {self._name(url)} refused weights version={version}", engine_status=status,
                                 engine_detail=_short(str(data)))
+        if d.flush_after_load:  # loaded with flush_cache: false; no cache of the old weights may serve
+            await self._flush(url, version, "after the load")
         return data if isinstance(data, dict) else {"response": data}
 
-    async def load(self, url: str, timeout: float) -> Any | None:
-        """The engine's ``/get_load`` body (SGLang: one object per dp rank); None when it does not answer."""
-        try:
-            status, data = await self._call("GET", url, "/get_load", None, timeout)
-        except UpstreamUnavailable:
-            return None
-        return data if status < 300 else None
+    async def _flush(self, url: str, version: str, when: str) -> None:
+        """``/flush_cache`` until it succeeds (SGLang answers 400 while requests run or wait)."""
+        async def attempt() -> bool:
+            status, data = await self._call("POST", url, FLUSH_ROUTE, None, self._control_timeout)
+            if status in (400, 503):
+                return False
+            if status >= 300:
+                raise UpstreamError(f"engine {self._name(url)} answered {status} to {FLUSH_ROUTE}",
+                                    engine_status=status, engine_detail=_short(str(data)))
+            return True
 
-    async def healthy(self, url: str, timeout: float) -> bool:
-        """``GET /health`` answered 200."""
-        try:
-            status, _ = await self._call("GET", url, "/health", None, timeout)
-        except UpstreamUnavailable:
-            return False
-        return status == 200
+        if not await retry_until(attempt, self._control_timeout, Backoff(first_s=0.05, max_s=1.0)):
+            raise UpstreamError(f"engine {self._name(url)} refused {FLUSH_ROUTE} {when} (requests still running) "
+                                f"for {self._control_timeout:.0f}s; weights version={version}", engine_status=400)
 
-    async def weight_version(self, url: str, timeout: float | None = None) -> str | None:
-        """The engine's loaded version (``/get_weight_version``, else ``/model_info``); None if unknown."""
-        for path in ("/get_weight_version", "/model_info"):
+    async def _read(self, url: str, kind: RouteKind, routes: tuple[str, ...], timeout: float) -> Any | None:
+        """GET the first of ``routes`` that does not answer 404 (remembered for the next read); None if none."""
+        for path in routes:
             try:
-                status, data = await self._call("GET", url, path, None, timeout or self._control_timeout)
+                status, data = await self._call("GET", url, path, None, timeout)
             except UpstreamUnavailable:
                 return None
-            if status < 300 and isinstance(data, dict) and data.get("weight_version") is not None:
-                return str(data["weight_version"])
+            if status == 404:
+                continue
+            if status >= 300:
+                return None
+            if path != routes[0] and url in self._dialects:
+                self._dialects[url] = self._dialects[url].prefer(kind, path)
+            return data
         return None
+
+    async def load(self, url: str, timeout: float) -> Any | None:
+        """The engine's load, one object per dp rank (``/get_load``'s list, ``/v1/loads``' ``loads``);
+        None when it does not answer."""
+        try:
+            d = await self.dialect(url)
+        except UpstreamUnavailable:
+            return None
+        body = await self._read(url, "load", d.load_routes, timeout)
+        return None if body is None else loads_of(body)
+
+    async def health_status(self, url: str, timeout: float | None = None) -> int | None:
+        """The HTTP status of the engine's health route (None: unreachable, or refused by this proxy).
+        SGLang's runs a generation (>= 1 s): it gets ``health_timeout_s`` whatever ``timeout`` says."""
+        try:
+            d = await self.dialect(url)
+            wait = self._health_timeout if d.slow_health or timeout is None else timeout
+            status, _ = await self._call("GET", url, d.health_route, None, wait)
+        except UpstreamUnavailable:
+            return None
+        return status
+
+    async def healthy(self, url: str, timeout: float | None = None) -> bool:
+        """The engine's health route answered 200."""
+        return await self.health_status(url, timeout) == 200
+
+    async def weight_version(self, url: str, timeout: float | None = None) -> str | None:
+        """The engine's loaded version (``/get_weight_version`` or ``/model_info``); None if unknown."""
+        try:
+            d = await self.dialect(url)
+        except UpstreamUnavailable:
+            return None
+        body = await self._read(url, "weight_version", d.weight_version_routes, timeout or self._control_timeout)
+        return weight_version_of(body)
 
 
 def _short(text: str, limit: int = 300) -> str:

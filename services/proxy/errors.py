@@ -36,7 +36,7 @@ class ProxyError(DressageError):
     """Base: ``status`` (HTTP code), ``code`` (machine-readable ``error``), ``extra`` (more detail)."""
 
     status = 500
-    code = "internal_error"
+    code = codes.INTERNAL_ERROR
 
     def __init__(self, message: str, **extra: Any) -> None:
         super().__init__(message)
@@ -56,7 +56,7 @@ class InvalidRequest(ProxyError):
     """A body or header that fails validation; ``field`` names it (422)."""
 
     status = 422
-    code = "invalid_request"
+    code = codes.INVALID_REQUEST
 
     def __init__(self, field: str, message: str, **extra: Any) -> None:
         super().__init__(f"{field}: {message}", field=field, **extra)
@@ -66,7 +66,7 @@ class UnsupportedParameter(ProxyError):
     """A field an upstream API accepts that would change the result and is not implemented (400)."""
 
     status = 400
-    code = "unsupported_parameter"
+    code = codes.UNSUPPORTED_PARAMETER
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}", field=field)
@@ -74,14 +74,14 @@ class UnsupportedParameter(ProxyError):
 
 class SessionNotFound(ProxyError):
     status = 404
-    code = "session_not_found"
+    code = codes.SESSION_NOT_FOUND
 
 
 class SessionConflict(ProxyError):
     """The session cannot take this request (finalized, step limit, mode mismatch) (409)."""
 
     status = 409
-    code = "session_conflict"
+    code = codes.SESSION_CONFLICT
 
 
 class OverCapacity(ProxyError):
@@ -107,6 +107,14 @@ class UpstreamError(ProxyError):
 
     status = 502
     code = codes.UPSTREAM_ERROR
+
+
+class UpstreamStreamError(UpstreamError):
+    """An engine reported an error inside a streamed answer (SGLang: HTTP 200, ``data: {"error": ...}``).
+
+    Raised with the status and body the same error has unstreamed (a 400 with that object), so the
+    client sees one error either way; its own class only keeps it from being read as "this engine
+    cannot stream" (``EngineClient.generate``)."""
 
 
 class GenerationPreempted(ProxyError):
@@ -142,4 +150,4 @@ class SpanExceeded(ProxyError):
 
 class ShuttingDown(ProxyError):
     status = 503
-    code = "proxy_shutting_down"
+    code = codes.PROXY_SHUTTING_DOWN

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.proxy.app import build_app
-from services.proxy.runtime import ProxyRuntime
+from services.proxy.runtime import ProxyRuntime, refuse_live_on_sglang
 from shared.config import DressageConfig
 from shared.entry import run_service
 from shared.modeling.loading import ModelNotFound, load_tokenizer
@@ -32,10 +32,12 @@ def proxy_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
+    refuse_live_on_sglang(cfg.proxy)
     tok_path = cfg.proxy.tokenizer_path or cfg.model.path
     tokenizer = load_tokenizer(tok_path)
     runtime = ProxyRuntime(cfg.proxy, tokenizer, redis_factory=cfg.redis.client, keys=cfg.keys(),
-                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, model_name=Path(tok_path).name or "dressage")
+                           heartbeat_ttl_s=cfg.ops.heartbeat_ttl_s, model_name=Path(tok_path).name or "dressage",
+                           template_kwargs=cfg.model.chat_template_kwargs)
     app = build_app(runtime)
 
     def run() -> int:

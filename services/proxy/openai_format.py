@@ -26,6 +26,7 @@ from services.proxy.controller import Generation
 from services.proxy.errors import ProxyError
 from services.proxy.turns import LiveTurn, TurnResult
 from shared.staleness import ordered_real_versions
+from shared.tasks.reasoning import ReasoningParser, split_reasoning
 from shared.toolcalls import ArgsDelta, CallDropped, CallStart, TextPiece, ToolCall
 
 Decode = Callable[[list[int]], str]
@@ -71,11 +72,18 @@ def _usage(res: TurnResult) -> dict[str, int]:
 
 
 def chat_completion(res: TurnResult, model: str, logprobs: int | None, token_ids: bool,
-                    token_text: Decode) -> dict[str, Any]:
-    """``chat.completion`` for a finished turn; ``logprobs``: None (off) or the top-k count."""
+                    token_text: Decode, reasoning_parser: ReasoningParser | None = None) -> dict[str, Any]:
+    """``chat.completion`` for a finished turn; ``logprobs``: None (off) or the top-k count. With a
+    ``reasoning_parser`` the reasoning block goes to ``message.reasoning_content`` (SGLang's shape; null
+    without one) and ``content`` is the text after it (``shared.tasks.reasoning``)."""
     calls = res.output.tool_calls()
     content = res.output.content()
+    reasoning: str | None = None
+    if reasoning_parser is not None:
+        reasoning, content = split_reasoning(content, reasoning_parser)
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning_parser is not None:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [c.openai() for c in calls]
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(res),

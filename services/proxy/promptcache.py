@@ -1,8 +1,8 @@
 """A bounded cache of rendered prompt ids, keyed by the exact chat input.
 
-Invariant: ``get(messages, tools)`` returns what rendering the same messages and tools with the
-proxy's (fixed) tokenizer returned before, or None; it never returns ids of any other input. The key
-is the canonical JSON of ``(messages, tools)``, so only an identical request body part hits. A GRPO
+Invariant: ``get(messages, tools)`` returns what rendering the same messages and tools (and chat-template
+variables) with the proxy's (fixed) tokenizer returned before, or None; it never returns ids of any other
+input. The key is the canonical JSON of ``(messages, tools[, template kwargs])``, so only an identical request body part hits. A GRPO
 group sends its prompt once per sample (8 identical renders per group in the demo), and a multi-turn
 episode re-sends every earlier turn; rendering and tokenizing was the proxy's largest single cost in a
 profile (13 % of its CPU). Entries whose key exceeds ``max_key_bytes`` are not cached, so the cache holds
@@ -25,8 +25,10 @@ class PromptCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return json.dumps([messages, tools], sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+    def key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            template_kwargs: dict[str, Any] | None = None) -> str:
+        parts: list[Any] = [messages, tools, template_kwargs] if template_kwargs else [messages, tools]
+        return json.dumps(parts, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
 
     def get(self, key: str) -> list[int] | None:
         with self._lock:

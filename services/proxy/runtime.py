@@ -7,6 +7,10 @@ Redis factory is given and ``proxy.follow_versions``), the session-expiry task a
 While following versions, the engine check reads every engine's loaded version each
 ``proxy.engine_check_s``: one behind the published version (restarted on its initial weights,
 loaded by someone else, down) is held back from routing and caught up (``WeightUpdater.catch_up``).
+The load poll (every ``proxy.load_poll_s``) reads every engine's load for routing and asks each
+down engine's health route (``proxy.engine_health_timeout_s``: SGLang's answers after >= 1 s):
+one that answers 200 rejoins through the catch-up path. ``refuse_live_on_sglang`` is the start-up
+check that ``proxy.weight_updates: live`` is not pointed at an SGLang engine (exit 2).
 ``stop()`` undoes all of it. ``turn()`` is the one path every generation takes: concurrency slot,
 session, per-session lock, controller, then recording — so a refused turn is never recorded.
 """
@@ -33,8 +37,10 @@ from services.proxy.schemas import Limits
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.updater import WeightUpdater
 from shared.config import ProxyConfig
+from shared.errors import ConfigError
 from shared.keys import Keys
 from shared.modeling.loading import chat_input_ids, stop_token_ids
+from shared.sglang_compat import Dialect, live_refusal
 from shared.streams import consumer_name
 from shared.telemetry import Heartbeat
 from shared.versionbus import VersionWatcher
@@ -46,12 +52,15 @@ T = TypeVar("T")
 class ProxyRuntime:
     def __init__(self, cfg: ProxyConfig, tokenizer: Any, client: EngineClient | None = None,
                  redis_factory: Callable[[], Any] | None = None, keys: Keys | None = None,
-                 heartbeat_ttl_s: float = 15.0, model_name: str = "dressage") -> None:
+                 heartbeat_ttl_s: float = 15.0, model_name: str = "dressage",
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.cfg, self.tokenizer, self.model_name = cfg, tokenizer, model_name
+        self.template_kwargs = dict(template_kwargs or {})  # model.chat_template_kwargs: every prompt's defaults
         self.metrics = ProxyMetrics()
         engine_key = cfg.engine_api_key.get_secret_value() if cfg.engine_api_key else None
         self.client = client or EngineClient(cfg.engines, cfg.connect_timeout_s, cfg.request_timeout_s,
-                                             engine_api_key=engine_key)
+                                             engine_api_key=engine_key, health_timeout_s=cfg.engine_health_timeout_s,
+                                             live_updates=cfg.weight_updates == "live")
         self.controller = GenerationController(self.client, self.metrics, cfg.max_partial_rollout_preempts,
                                                cfg.request_timeout_s, cfg.pause_timeout_s, cfg.engine_sync_wait_s,
                                                live_updates=cfg.weight_updates == "live")
@@ -71,6 +80,7 @@ class ProxyRuntime:
 
     async def start(self) -> None:
         self.updater.bind(asyncio.get_running_loop())
+        await self.client.identify_all()  # each engine's dialect, logged (an unreachable one is asked on first use)
         await self.controller.refresh_version()
         log.info("proxy started engines=%d version=%s partial_rollout=%s max_preempts=%s", len(self.client.engines),
                  self.controller.current_version, self.cfg.partial_rollout, self.cfg.max_partial_rollout_preempts)
@@ -121,14 +131,18 @@ class ProxyRuntime:
                 await self.controller.mark_synced(url, version)
 
     async def poll_engines(self) -> None:
-        """One pass: every engine's load for routing (``/get_load``); a down engine that answers rejoins."""
+        """One pass: every engine's load for routing; a down engine whose health route answers 200 rejoins."""
         timeout = min(self.cfg.connect_timeout_s * 2, max(self.cfg.load_poll_s, 0.5))
         ctl = self.controller
-        loads = await asyncio.gather(*(self.client.load(u, timeout) for u in self.client.engines))
+        down = [u for u in self.client.engines if u in ctl.down]
+        loads, health = await asyncio.gather(
+            asyncio.gather(*(self.client.load(u, timeout) for u in self.client.engines)),
+            asyncio.gather(*(self.client.healthy(u, timeout) for u in down)))  # SGLang's: health timeout, >= 1 s
         for url, body in zip(self.client.engines, loads, strict=True):
             if body is not None:
                 ctl.balancer.set_remote(url, parse_load(body))
-            if url in ctl.down and (body is not None or await self.client.healthy(url, timeout)):
+        for url, ok in zip(down, health, strict=True):
+            if ok:
                 await ctl.mark_up(url)
 
     @staticmethod
@@ -152,7 +166,8 @@ class ProxyRuntime:
 
     # --- requests --------------------------------------------------------------------------
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids of chat ``messages``: their text is bounded in bytes before any tokenizing
         (``proxy.max_prompt_bytes``); special-token text in a message stays text
         (``shared.modeling.loading.chat_input_ids``). Blocking: call it through ``off_loop``."""
@@ -161,10 +176,11 @@ class ProxyRuntime:
         if size > self.cfg.max_prompt_bytes:
             raise InvalidRequest("messages", f"message text is {size} bytes; proxy.max_prompt_bytes="
                                              f"{self.cfg.max_prompt_bytes}")
-        key = self.prompt_cache.key(messages, tools)
+        kwargs = {**self.template_kwargs, **(template_kwargs or {})}  # a request's own win over model.chat_template_kwargs
+        key = self.prompt_cache.key(messages, tools, kwargs)
         ids = self.prompt_cache.get(key)
         if ids is None:
-            ids = chat_input_ids(self.tokenizer, messages, True, tools)
+            ids = chat_input_ids(self.tokenizer, messages, True, tools, kwargs)
             self.prompt_cache.put(key, ids)
         return ids
 
@@ -257,3 +273,23 @@ class ProxyRuntime:
                 "weight_updates_mode": self.cfg.weight_updates,
                 "weight_updates_total": self.updater.updates_total,
                 "following_versions": self._watcher is not None}
+
+
+def refuse_live_on_sglang(cfg: ProxyConfig) -> None:
+    """Start-up check: ``proxy.weight_updates: live`` against an SGLang engine raises ConfigError (exit 2).
+    Engines not reachable now are checked when first used (refused then: never routed to)."""
+    if cfg.weight_updates != "live":
+        return
+    key = cfg.engine_api_key.get_secret_value() if cfg.engine_api_key else None
+    client = EngineClient(cfg.engines, cfg.connect_timeout_s, engine_api_key=key,
+                          health_timeout_s=cfg.engine_health_timeout_s)
+
+    async def identify() -> dict[str, Dialect | None]:
+        try:
+            return await client.identify_all()
+        finally:
+            await client.close()
+
+    for i, dialect in enumerate(asyncio.run(identify()).values()):
+        if dialect is not None and (why := live_refusal(dialect)):
+            raise ConfigError(f"proxy.engines[{i}]: {why}")

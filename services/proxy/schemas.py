@@ -151,6 +151,10 @@ class ChatRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_token_ids: bool = False  # SGLang/vLLM extension: prompt_token_ids + choices[].token_ids
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # SGLang/vLLM extension: the chat template's own variables (e.g. {"enable_thinking": false}), over the
+    # proxy's model.chat_template_kwargs; None: those alone
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
+    separate_reasoning: bool = True  # SGLang extension: with proxy.reasoning_parser, reasoning_content apart
 
     @field_validator("messages")
     @classmethod
@@ -382,6 +386,23 @@ class CloseSessionsRequest(BaseModel):
                                  "starting with a letter or digit")
         if len(set(v)) != len(v):
             raise ValueError("session ids must be distinct")
+        return v
+
+
+class RewardReport(BaseModel):
+    """``POST /s/{session}/v1/reward``: the agent's own reward for its trajectory (the task decides what it
+    counts for, ``shared.tasks.plugin``). Finite numbers only; at most 32 named components."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    reward: float  # the trajectory's reward as the agent measured it (tests passed, an environment's return)
+    components: dict[str, float] = Field(default_factory=dict, max_length=32)  # named parts, logged as metrics
+
+    @field_validator("components")
+    @classmethod
+    def _names(cls, v: dict[str, float]) -> dict[str, float]:
+        for name in v:
+            if not 1 <= len(name) <= 64 or not name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(f"component name {name[:80]!r} must be 1-64 letters, digits, '_' or '-'")
         return v
 
 

@@ -74,6 +74,7 @@ class Session:
     segments: list[Segment] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # distinct real versions, observation order
     turns: int = 0
+    agent_reward: dict[str, Any] | None = None  # the agent's last ``POST /s/{id}/v1/reward``: {reward, components}
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one turn at a time
 
     def record(self, prompt_ids: list[int], output_ids: list[int], logprobs: list[float],
@@ -122,7 +123,13 @@ class Session:
     def summary(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "finalized": self.finalized, "partial_rollout": self.partial,
                 "turns": self.turns, "num_segments": len(self.segments), "versions": list(self.versions),
-                "preempts": sum(s.preempts for s in self.segments)}
+                "preempts": sum(s.preempts for s in self.segments), "agent_reward": self.agent_reward}
+
+    def report_reward(self, reward: float, components: dict[str, float]) -> None:
+        """Keep the agent's reported reward (the last report wins); a finalized session takes none."""
+        if self.finalized:
+            raise SessionConflict(f"session {self.session_id!r} is finalized", session_id=self.session_id)
+        self.agent_reward = {"reward": float(reward), "components": {k: float(v) for k, v in components.items()}}
 
 
 class SessionStore:

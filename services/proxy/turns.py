@@ -52,6 +52,7 @@ class TurnPlan:
     no_stop_trim: bool = False
     force_tool: str | None = None  # a forced call: "" any tool (required / any), else that function's name
     one_tool_call: bool = False  # parallel_tool_calls false: the turn ends with the first call's closing tag
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs of the request (e.g. enable_thinking)
 
 
 def forced_tool(tools: list[dict[str, Any]] | None, name: str | None) -> str:
@@ -89,7 +90,7 @@ def render_prompt(rt: ProxyRuntime, plan: TurnPlan) -> list[int]:
     if plan.tools and "tools" not in str(getattr(rt.tokenizer, "chat_template", "") or ""):
         raise UnsupportedParameter("tools", "this model's chat template does not render tools")
     try:  # bytes bounded first; special-token text in content stays text (issue 16)
-        ids = rt.prompt_ids(plan.messages, plan.tools)
+        ids = rt.prompt_ids(plan.messages, plan.tools, plan.template_kwargs)
     except InvalidRequest:
         raise
     except Exception as exc:  # jinja errors: a message shape this template cannot render

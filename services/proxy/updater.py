@@ -4,13 +4,14 @@ Contract: for each newer ``WeightVersion`` (``shared.versionbus.VersionWatcher``
 own thread and hands versions over with ``loop.call_soon_threadsafe``) the proxy pauses
 (``weight_update`` holder: in-flight rids are aborted and keep their partial tokens), sends
 ``POST /update_weights_from_disk {model_path, weight_version}`` to every engine that does not
-already report that version, then resumes with ``version`` set, so the pre-dispatch span check
+already report that version (in its dialect: for SGLang with the cache flush made to succeed,
+``EngineClient.update_weights``), then resumes with ``version`` set, so the pre-dispatch span check
 knows what the engines run before any token of a resumed chunk is generated. Versions that
 arrive while an update runs are coalesced: only the newest pending one is loaded next. A failed
 engine load is logged, counted and reported in ``state()``; the proxy still resumes (tokens are
 tagged by the engine with the version it really used, so records stay truthful).
 
-Live updates (``controller.live``): no pause and no abort; the engines load while generations
+Live updates (``controller.live``; this project's engine only, SGLang engines are refused): no pause and no abort; the engines load while generations
 run (the engine swaps between decode steps, ``continue_across_weight_updates``), and
 ``current_version`` is set once they have. ``pause_seconds_total`` then stays 0: nothing waited;
 ``load_seconds_total`` counts every update either way.

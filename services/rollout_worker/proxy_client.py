@@ -8,7 +8,7 @@ agents reach the same session through the session-scoped base URL ``{proxy}/s/{i
 
 Every failure surfaces as ``TrajectoryFailed`` with a code: the proxy's own 502 ``detail.error``
 (``shared.codes.PROXY_502_CODES``: the span limit, a changed trajectory version, a preempted generation),
-``upstream_unavailable`` (503), ``unknown_session`` (404), ``proxy_http_<status>``,
+``upstream_unavailable`` (503), ``session_not_found`` (404), ``proxy_http_<status>``,
 ``proxy_timeout`` or ``proxy_unreachable`` (codes in ``shared.codes``). A 502 ``upstream_error`` whose
 engine answered 502/503/504 (an engine still loading after a restart) is ``upstream_unavailable`` too:
 infrastructure, never the trajectory's fault. ``services.rollout_worker.fake_proxy`` implements the
@@ -32,7 +32,7 @@ from shared.codes import (
     OVER_CAPACITY,
     PROXY_TIMEOUT,
     PROXY_UNREACHABLE,
-    UNKNOWN_SESSION,
+    SESSION_NOT_FOUND,
     UPSTREAM_ERROR,
     UPSTREAM_UNAVAILABLE,
 )
@@ -116,7 +116,7 @@ class SessionCalls:
         try:
             await self._send("DELETE", session_path(session_id), session_id)
         except TrajectoryFailed as exc:
-            if exc.code != UNKNOWN_SESSION:
+            if exc.code != SESSION_NOT_FOUND:
                 raise
 
     def agent_base_url(self, session_id: str) -> str:
@@ -147,7 +147,7 @@ def proxy_error(status: int, body: Any, session_id: str | None = None) -> Trajec
         return TrajectoryFailed(OVER_CAPACITY if code == OVER_CAPACITY else UPSTREAM_UNAVAILABLE, message,
                                 session_id=session_id)
     if status == 404:
-        return TrajectoryFailed(UNKNOWN_SESSION, message, session_id=session_id)
+        return TrajectoryFailed(SESSION_NOT_FOUND, message, session_id=session_id)
     return TrajectoryFailed(f"proxy_http_{status}", message or (code or ""), session_id=session_id)
 
 

@@ -21,6 +21,7 @@ import httpx
 import redis
 import torch
 import uvicorn
+from paths import REPO
 from waits import wait_for
 
 from services.proxy.app import build_app
@@ -29,8 +30,6 @@ from shared.config import ProxyConfig
 from shared.keys import Keys
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
 from shared.redisproc import free_port
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log_path: Path | None, timeout: float = 90) -> None:

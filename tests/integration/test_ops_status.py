@@ -11,7 +11,10 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+import pytest
 import redis
+from proxy_support import AppThread
+from sglang_emulator import SGLangEmulator
 
 from services.ops import snapshot, status
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, Keys
@@ -124,7 +127,8 @@ def test_engines_are_probed_over_http() -> None:
             probed = status.probe_engines([up, down], timeout=2)
     finally:
         server.shutdown()
-    assert probed == [(up, "alive (weight_version 7)"), (down, "DOWN (/health unreachable)")]
+    # No server info route: spoken to as an SGLang of unknown release (each route tried in turn)
+    assert probed == [(up, "alive (sglang (version unknown), weight_version 7)"), (down, "DOWN (/health unreachable)")]
     screen = status.render(snapshot.Snapshot("p", time.time(), {}, [], None, 0, None, {}, {}, Counter(), [], []),
                            engines=probed)
     assert f"ENGINES     {up}" in screen and "weight_version 7" in screen
@@ -150,3 +154,14 @@ def test_cli_prints_one_screen(redis_server: RedisProcess, redis_client: redis.R
 def test_empty_deployment_renders(redis_client: redis.Redis, keys: Keys) -> None:
     screen = status.render(snapshot.collect(redis_client, keys))
     assert "none published yet" in screen and "(no consumer groups yet)" in screen
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_status_speaks_each_sglang_release_as_the_proxy_does(version: str) -> None:
+    """ENGINES: an SGLang release (its slow /health, its weight-version route) reads alive with its version."""
+    emu = SGLangEmulator(version, weight_version="7")
+    with AppThread(emu.app) as engine:
+        (_, state), = status.probe_engines([engine.url], timeout=0.5, health_timeout_s=5.0)
+        (_, impatient), = status.probe_engines([engine.url], timeout=0.5, health_timeout_s=0.5)
+    assert state == f"alive (sglang {version}, weight_version 7)"
+    assert impatient == "DOWN (/health unreachable)"  # SGLang's /health takes >= 1 s

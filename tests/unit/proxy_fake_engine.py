@@ -2,7 +2,7 @@
 
 It implements the same endpoints the proxy uses (``/generate`` with per-token versions,
 ``/abort_request`` returning the partial output, ``/update_weights_from_disk``,
-``/get_weight_version``) over an ASGI app, producing one token every ``step_s`` so tests can
+``/get_weight_version``, and ``/get_server_info`` saying it is this project's engine) over an ASGI app, producing one token every ``step_s`` so tests can
 interrupt generations. Integration tests use the real engine instead.
 """
 
@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from shared.http_transport import HttpxTransport
+from shared.sglang_fields import OWN_ENGINE_VERSION
 
 VOCAB = 100
 
@@ -44,6 +45,7 @@ class FakeEngine:
             Route("/abort_request", self.abort, methods=["POST"]),
             Route("/update_weights_from_disk", self.update, methods=["POST"]),
             Route("/get_weight_version", self.get_version, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
         ])
 
     async def generate(self, request: Request) -> Response:
@@ -162,6 +164,9 @@ class FakeEngine:
 
     async def get_version(self, request: Request) -> JSONResponse:
         return JSONResponse({"weight_version": self.version})
+
+    async def server_info(self, request: Request) -> JSONResponse:
+        return JSONResponse({"version": OWN_ENGINE_VERSION, "weight_version": self.version})
 
 
 class DownTransport(httpx.AsyncBaseTransport):

@@ -1,14 +1,16 @@
-"""shared.retry: Redis outages at start are waited out with capped backoff; bad credentials stop at once."""
+"""shared.retry: Redis outages at start are waited out with capped backoff; bad credentials stop at once;
+``retry_until`` waits the same backoff around an async attempt, up to a deadline."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import redis
 
 from shared.errors import RedisAuthFailed, RedisUnavailable
-from shared.retry import Backoff, check_redis
+from shared.retry import Backoff, check_redis, retry_until
 
 SECRET = "hunter2-very-secret"
 
@@ -57,3 +59,21 @@ def test_an_overall_timeout_gives_up_with_redis_unavailable() -> None:
     r = FlakyRedis(*[redis.ConnectionError("refused")] * 100)
     with pytest.raises(RedisUnavailable, match="did not answer within 0.05s"):
         check_redis(r, timeout_s=0.05, sleep=lambda s: None)
+
+
+def test_retry_until_backs_off_between_tries_and_gives_up_at_its_deadline() -> None:
+    answers, slept = [False, False, True], []
+
+    async def attempt() -> bool:
+        return answers.pop(0)
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    assert asyncio.run(retry_until(attempt, 10.0, Backoff(0.05, 1.0), sleep)) is True
+    assert slept == [0.05, 0.1] and answers == []
+
+    async def never() -> bool:
+        return False
+
+    assert asyncio.run(retry_until(never, 0.0, Backoff(0.05, 1.0), sleep)) is False  # no wait fits
