@@ -8,7 +8,9 @@ nothing is outside. ``shared.staleness.StalenessTracker.should_drop_group`` deci
 
 A :class:`DecisionRecord` is what the collector appends to ``{p}:collector:decisions`` after each
 committed outcome of a group attempt (docs/streams.md): the group's end versions, their gaps at the
-moment of the decision, the window in force, the decision and its reason. Invariant checked by
+moment of the decision, the window in force, the decision and its reason, and each trajectory's
+response length and reward (whom a window drops: ``services.ops.dropbias``). Fields added later have
+defaults, so records written before them still load. Invariant checked by
 :func:`replay`: for every record the window made (``window_decided``), ``outside_window(gaps,
 keep_versions)`` is True exactly when the recorded decision is ``dropped`` -- so replaying a run
 with its own window reproduces its decisions, and replaying it with another ``N`` says which
@@ -58,6 +60,10 @@ class DecisionRecord(BaseModel):
     window_decided: bool  # True when the window made the call (trained, or dropped as stale)
     batch_id: str | None = None  # the batch of a trained group
     at: float  # unix seconds of the decision
+    # Per trajectory, in the order of each trajectory's first sample (not that of versions: a trajectory
+    # without a real version has no entry there); [] for a failed group, and in records older than the fields.
+    response_tokens: list[int] = Field(default_factory=list)  # loss-mask tokens of the trajectory, all segments
+    rewards: list[float] = Field(default_factory=list)  # the trajectory's reward (its last segment's)
 
     def fields(self) -> dict[str, str]:
         """Flat stream fields (text, JSON for lists; "" for None), readable with a plain XRANGE."""
@@ -79,7 +85,7 @@ class DecisionRecord(BaseModel):
         data: dict[str, Any] = {}
         try:
             for name, value in text.items():
-                if name in ("versions", "gaps"):
+                if name in ("versions", "gaps", "response_tokens", "rewards"):
                     data[name] = json.loads(value)
                 elif name == "window_decided":
                     data[name] = value == "1"

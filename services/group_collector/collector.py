@@ -144,8 +144,8 @@ class GroupCollector:
                 raise
             if already:
                 queue[:0] = self.core.rejected(action, already)
-            elif isinstance(action, BatchOut):
-                self.report(action.metrics)
+            elif isinstance(action, BatchOut):  # with its id: the trainer's row of it completes the time split
+                self.report({**action.metrics, "collector/batch_id": action.batch.batch_id})
             if not already:
                 self.decisions.record(action, self.core.tracker)  # {p}:collector:decisions, replayable
 
@@ -190,7 +190,7 @@ class GroupCollector:
             self.r.hset(self.window_key, mapping={**state, "updated_at": f"{time.time():.3f}"})
             self._window_written = state
 
-    def report(self, extra: dict[str, float] | None = None) -> None:
+    def report(self, extra: dict[str, float | str] | None = None) -> None:
         stats = {_s(k): int(v) for k, v in self.r.hgetall(self.ledger.stats_key).items()}
         metrics: dict[str, Any] = {f"pipeline/{k.replace(':', '_')}": v for k, v in stats.items()}
         metrics.update(extra or {})

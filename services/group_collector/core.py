@@ -8,7 +8,10 @@ Loop order, an invariant carried over from the seed and tested:
    (``outcomes.retry_or_dead_letter``); a completed one is checked against the window and either
    dropped or appended to the waiting list.
 A new published version or a new ``keep_versions`` re-checks the waiting list at once, and so
-does every batch assembly, so a batch is always cut from the freshest window.
+does every batch assembly, so a batch is always cut from the freshest window. In ``staleness.mode``
+``wait`` the window is off (nothing is dropped for staleness) and a batch takes the waiting groups
+oldest first (``StalenessGroupFilter.assembly_order``, the one place of that rule); in ``drop`` mode
+it takes them in arrival order.
 
 Effectively-once: an arrival whose ``group_id:attempt`` already has an outcome (reported by the
 shell from ``{p}:collector:done``, or decided by this core), whose group is closed, or which is
@@ -43,7 +46,7 @@ class CollectorCore:
         self.window, self.tracker = window, window.tracker
         self.groups_per_batch, self.max_retries = groups_per_batch, max_retries
         self.clock, self.new_batch_id = clock, new_batch_id
-        self.waiting: list[Arrival] = []  # completed groups in the window, oldest arrival first
+        self.waiting: list[Arrival] = []  # completed groups in the window, oldest arrival first (batches: assembly_order)
         self._decided: set[str] = set()  # done keys of outcomes decided by this core
         self._closed: set[str] = set()  # group ids trained or dead-lettered by this core
 
@@ -128,11 +131,14 @@ class CollectorCore:
     # --- batches ------------------------------------------------------------------------------
 
     def assemble(self, slots: int, trainer_version: str | None) -> list[Action]:
-        """Re-check the waiting groups, then cut up to ``slots`` full batches from the oldest."""
+        """Re-check the waiting groups, then cut up to ``slots`` full batches, first groups first in
+        the window's ``assembly_order`` (the rest keep waiting in arrival order)."""
         actions = self.recheck()
         while slots > 0 and len(self.waiting) >= self.groups_per_batch:
-            members = self.waiting[: self.groups_per_batch]
-            self.waiting = self.waiting[self.groups_per_batch:]
+            order = self.window.assembly_order([a.group for a in self.waiting])[: self.groups_per_batch]
+            members = [self.waiting[i] for i in order]
+            taken = set(order)
+            self.waiting = [a for i, a in enumerate(self.waiting) if i not in taken]
             actions.append(self._decide(self._batch(members, trainer_version)))
             slots -= 1
         return actions

@@ -30,15 +30,27 @@ log = logging.getLogger(__name__)
 DECISIONS_MAXLEN = 100_000  # {p}:collector:decisions is capped (approximately), like {p}:dead
 
 
+def trajectory_sizes(group: RolloutGroup) -> tuple[list[int], list[float]]:
+    """Loss-mask tokens (over all segments) and reward (of the last segment) of each trajectory, in the
+    order of each trajectory's first sample."""
+    tokens: dict[str, int] = {}
+    for s in group.samples:
+        tokens[s.traj_id] = tokens.get(s.traj_id, 0) + sum(s.loss_mask)
+    reward = {s.traj_id: s.reward for s in group.last_segments()}
+    return list(tokens.values()), [reward[t] for t in tokens]
+
+
 def _record(group: RolloutGroup, tracker: StalenessTracker, now: float, **outcome: object) -> DecisionRecord:
     order = tracker.versions  # read only: recording never observes a version
     pos = {v: i for i, v in enumerate(order)}
     versions = [info.version for info in trajectory_version_infos(group)]
     gaps = [len(order) - 1 - pos[v] if v in pos else UNKNOWN_GAP for v in versions]
+    tokens, rewards = trajectory_sizes(group)
     return DecisionRecord.model_validate({
         "group_id": group.group_id, "attempt": group.attempt, "versions": versions, "gaps": gaps,
         "keep_versions": tracker.config.keep_versions or 0, "current_version": tracker.current_version_label,
-        "cutoff_version": tracker.cutoff_version_label, "at": now, **outcome})
+        "cutoff_version": tracker.cutoff_version_label, "at": now, "response_tokens": tokens, "rewards": rewards,
+        **outcome})
 
 
 def records_for(action: Action, tracker: StalenessTracker, now: float) -> list[DecisionRecord]:

@@ -16,7 +16,7 @@ from shared.telemetry import MetricGauges, prometheus_port
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
-    tracker = StalenessTracker(config_from_value(cfg.staleness.keep_versions))
+    tracker = StalenessTracker(config_from_value(cfg.staleness.keep_versions, cfg.staleness.mode))
     core = CollectorCore(StalenessGroupFilter(tracker, "collector"), cfg.train.groups_per_batch,
                          cfg.rollout.max_retries)
     port = prometheus_port(cfg.ops.metrics_port_base, SERVICE)

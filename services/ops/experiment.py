@@ -34,6 +34,8 @@ from typing import Any, TextIO
 import yaml
 
 from services.ops import experiment_summary as summ
+from services.ops.decisionlog import FILE as DECISIONS_FILE
+from services.ops.decisionlog import load_records
 from services.ops.experiment_spec import Run, Spec, SpecError, interleaved, load_spec
 from services.ops.metricslog import load_rows
 from services.ops.series import EVAL_ACC, STEP, number, pick
@@ -262,7 +264,8 @@ class Experiment:
         folder = self.folder(run)
         info = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
         return summ.run_row(rows, run.variant, run.seed, self.spec.targets, self.spec.stop.train_steps,
-                            slots=self._slots(run), started_at=number(info.get("started_at")), run_dir=str(folder))
+                            slots=self._slots(run), started_at=number(info.get("started_at")), run_dir=str(folder),
+                            decisions=load_records(folder / DECISIONS_FILE))
 
     @staticmethod
     def _slots(run: Run) -> int:

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.ops import dropbias, timing
 from services.ops import experiment_summary as summ
-from services.ops import timing
+from services.ops.decisionlog import FILE as DECISIONS_FILE
+from services.ops.decisionlog import load_records
 from services.ops.experiment_spec import Spec
 from services.ops.intervals import Interval, NoData, mean_interval, ratio_interval
 from services.ops.metricslog import load_rows
 from services.ops.series import Row, number
+from shared.window_decisions import DecisionRecord
 
 TO_BASE = "time_to_baseline_acc_s"
 DECOMP = (("trainer_wait_frac", "trainer wait"), ("trainer_train_frac", "trainer train"),
@@ -167,6 +170,46 @@ def staleness_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str
     return out
 
 
+def drop_bias_table(spec: Spec, rows: Sequence[dict[str, Any]],
+                    decisions: Mapping[str, Sequence[DecisionRecord]]) -> list[list[str]]:
+    """Whom the controls drop (``services.ops.dropbias``): per variant, the group attempts dropped by the
+    window and the groups dead-lettered against the trained ones, pooled over the seeds (a group attempt
+    is the unit), with the Mann-Whitney p and KS D of the pool, and in how many runs alone p < 0.05."""
+    out = [["variant", "set", "groups (set / trained)", "response tokens, set vs trained", "p [KS D]",
+            "runs p < 0.05", "pass rate, set vs trained", "p [KS D]", "runs p < 0.05"]]
+    for v in spec.variants:
+        runs = [r for r in rows if r.get("variant") == v]
+        pooled = [rec for r in runs for rec in decisions.get(str(r.get("run_dir")), ())]
+        comps = {(c.name, c.measure): c for c in dropbias.compare(pooled)}
+        shown = [name for name in dropbias.SETS if comps[(name, "len")].n]
+        if not shown:
+            trained = comps[(dropbias.SETS[0], "len")].n_trained
+            out.append([v, "-", f"0 / {trained}", "nothing measured was dropped or dead-lettered", "", "", "", "", ""])
+        for name in shown:
+            cells = [v, dropbias.LABELS[name], f"{comps[(name, 'len')].n} / {comps[(name, 'len')].n_trained}"]
+            for measure, digits in (("len", 1), ("pass", 3)):
+                c = comps[(name, measure)]
+                ps = [p for p in (number(r.get(f"{name}_{measure}_p")) for r in runs) if p is not None]
+                cells += ["-" if c.mean is None or c.mean_trained is None else
+                          f"{c.mean:.{digits}f} vs {c.mean_trained:.{digits}f}",
+                          "-" if c.p_value is None or c.ks_d is None else f"{c.p_value:.2g} [{c.ks_d:.2f}]",
+                          f"{sum(p < 0.05 for p in ps)}/{len(ps)}"]
+            out.append(cells)
+    return out
+
+
+def age_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """A trained group's age in seconds, in flight against queued (``services.ops.agesplit``), beside the
+    trainer's version gap and the gap at the cut (mean [95 % interval] across seeds)."""
+    cols = [("in_flight_s_mean", 2), ("queued_collector_s_mean", 2), ("queued_trainer_s_mean", 2),
+            ("queued_s_mean", 2), ("version_gap_mean", 2), ("gap_at_cut_mean", 2)]
+    out = [["variant", "in flight (s)", "queued: finished -> cut (s)", "queued: cut -> trained (s)",
+            "queued, total (s)", "version gap at the step", "version gap at the cut"]]
+    for v in spec.variants:
+        out.append([v, *[_iv(_mean(summ.values(rows, v, c)), d) for c, d in cols]])
+    return out
+
+
 def learning_table(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     """First vs last fifth of the steps: reward, and the share of samples calling a tool (tool tasks)."""
     tools = any(summ.values(rows, v, "tool_calls_gain") for v in spec.variants)
@@ -283,6 +326,7 @@ def write_csv(path: Path, spec: Spec, rows: Sequence[dict[str, Any]]) -> None:
 def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: str) -> Files:
     root.mkdir(parents=True, exist_ok=True)
     metrics = {str(r.get("run_dir")): load_rows(Path(str(r.get("run_dir"))) / "metrics.jsonl") for r in rows}
+    decisions = {str(r.get("run_dir")): load_records(Path(str(r.get("run_dir"))) / DECISIONS_FILE) for r in rows}
     add_time_to_baseline(spec, rows, metrics)
     write_csv(root / "summary.csv", spec, rows)
     from services.ops.experiment_plots import plot_experiment  # matplotlib only when drawn
@@ -293,6 +337,12 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
                learning_table(spec, rows)),
               ("Staleness controls: time to target, and what the controls dropped (mean [95 % interval]; "
                "steps and time over the runs that reached the target)", staleness_table(spec, rows)),
+              ("Whom the controls drop: length and pass rate (share of trajectories with reward > 0) of the "
+               "group attempts dropped by the window and of the dead-lettered groups, against the trained ones "
+               "(pooled over seeds, a group attempt is the unit; two-sided Mann-Whitney p and KS D)",
+               drop_bias_table(spec, rows, decisions)),
+              ("A trained group's age: in flight (enqueued -> rollout finished) against queued (-> batch cut -> "
+               "the trainer's step), with the version gap (mean [95 % interval] across seeds)", age_table(spec, rows)),
               (f"Ratios against the baseline ({spec.baseline})", ratio_table(spec, rows)),
               ("Where the time goes (fractions of wall-clock, mean [95 % interval])", decomposition_table(spec, rows)),
               ("A batch's trip (ms per batch, mean [95 % interval]): admission after a publication, then the "

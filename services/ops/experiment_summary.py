@@ -27,7 +27,14 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
 * ``window_changes`` / ``keep_versions_last``: how often the batch window in force changed during the
   run (the collector's reported ``staleness/keep_versions``; 0 for a fixed window) and the last
   window (0 = off): whether an adaptive window moved at all;
-* the time decomposition columns come from ``services.ops.timing``.
+* the time decomposition columns come from ``services.ops.timing``;
+* whom the controls drop (``trained_*``, ``dropped_*``, ``dead_*``: the length and pass rate of the
+  attempts trained, dropped by the window and dead-lettered, with a two-sample test of each against the
+  trained ones) come from the run's ``decisions.jsonl`` (``services.ops.dropbias``);
+* a trained group's age split into time in flight and time queued (``in_flight_s_mean``,
+  ``queued_*_s_mean``) beside the trainer's version gap and the gap at the cut (``services.ops.agesplit``);
+* how off-policy the trained data was (``ess_mean``, ``ess_min``, ``truncated_frac_mean``, ``clip_frac_mb_*``,
+  ``mismatch_kl_mean``: the trainer's per-step diagnostics, ``services.ops.offpolicy``).
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.ops import series, timing
+from services.ops import agesplit, dropbias, offpolicy, series, timing
 from services.ops.series import Row, number, pick
+from shared.window_decisions import DecisionRecord
 
 COUNTERS = {"groups_produced": "groups_produced", "groups_trained": "groups_trained",
             "groups_dropped": "groups_dropped_stale", "groups_reenqueued": "groups_reenqueued",
@@ -63,7 +71,8 @@ def columns(targets: Sequence[float]) -> list[str]:
             + ["initial_eval_acc", "final_eval_acc", "best_eval_acc", "reward_auc", "logprob_abs_diff_mean",
                "logprob_abs_diff_all_mean"]
             + [f"{name}_{part}" for name in ("reward", "tool_calls") for part in ("first", "last", "gain")]
-            + list(COUNTERS) + list(SHARES) + list(WINDOW) + list(timing.columns(timing.TimeSplit())) + ["run_dir"])
+            + list(COUNTERS) + list(SHARES) + list(WINDOW) + list(timing.columns(timing.TimeSplit()))
+            + list(dropbias.COLUMNS) + list(agesplit.COLUMNS) + list(offpolicy.COLUMNS) + ["run_dir"])
 
 
 def step_clock(rows: Sequence[Row]) -> dict[int, float]:
@@ -149,7 +158,8 @@ def first_last(ys: Sequence[float]) -> tuple[float | None, float | None, float |
 
 
 def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[float], k_steps: int | None,
-            slots: int | None, started_at: float | None, run_dir: str) -> dict[str, Any]:
+            slots: int | None, started_at: float | None, run_dir: str,
+            decisions: Sequence[DecisionRecord] = ()) -> dict[str, Any]:
     clock = step_clock(rows)
     last = max(clock) if clock else None
     k = k_steps if k_steps is not None and k_steps in clock else last
@@ -191,6 +201,9 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
     row.update(shares(row))
     row.update(window_history(rows))
     row.update(timing.columns(timing.decompose(rows, slots)))
+    row.update(dropbias.columns(decisions))
+    row.update(agesplit.split(rows).columns())
+    row.update(offpolicy.split(rows).columns())
     row["run_dir"] = run_dir
     return row
 

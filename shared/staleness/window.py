@@ -14,6 +14,15 @@ Invariants:
 * ``keep_versions`` 0/None turns the filter off: nothing is observed, nothing dropped;
 * the version list never shrinks, and a label's position only changes when it is published.
 
+Two modes (``staleness.mode``), and the batch order of each (:meth:`StalenessGroupFilter.assembly_order`):
+* ``drop`` (the default, the original's rule): the window above; batches take the waiting groups in
+  arrival order;
+* ``wait``: the collector drops nothing for staleness -- admission (the prompt-buffer's pacing η)
+  alone bounds it -- and batches take the waiting groups oldest first: by the position of the group's
+  oldest trajectory end version, then arrival. ``keep_versions`` must be 0 in this mode (a window
+  would drop again): a non-zero value, from the config or live from ``{p}:control``, is refused
+  naming the key.
+
 Ordering (improvement over the original, which used first-observation order only):
 published versions (the trainer's ``{p}:weights:log``, fed through ``observe_published``) are
 ordered by the log. A version never published ranks *as if it had been published at the moment it
@@ -29,6 +38,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from shared.errors import ConfigError
 from shared.schemas import RolloutGroup
@@ -37,6 +47,8 @@ from shared.window_decisions import outside_window
 
 log = logging.getLogger(__name__)
 KEY = "staleness.keep_versions"
+Mode = Literal["drop", "wait"]  # staleness.mode: drop stale groups (window) or wait (pacing bounds, oldest first)
+MODES: tuple[Mode, ...] = ("drop", "wait")
 
 
 class StalenessConfigError(ConfigError, ValueError):
@@ -62,18 +74,31 @@ def _keep_value(raw: object) -> int | None:
 @dataclass(frozen=True)
 class StalenessConfig:
     keep_versions: int | None = None  # window size in versions; None (or 0) = filter off
+    mode: Mode = "drop"  # drop: the window drops stale groups; wait: nothing dropped, oldest first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep_versions", _keep_value(self.keep_versions))
+        if self.mode not in MODES:
+            raise StalenessConfigError(f"staleness.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "wait" and self.keep_versions is not None:
+            raise StalenessConfigError(
+                f"{KEY}={self.keep_versions} contradicts staleness.mode=wait (the collector drops nothing for "
+                f"staleness; pacing.max_versions_ahead bounds it): set {KEY} to 0, or staleness.mode to drop")
 
     @property
     def enabled(self) -> bool:
+        """The window is on (drop mode with ``keep_versions`` set)."""
         return self.keep_versions is not None
 
+    @property
+    def waits(self) -> bool:
+        return self.mode == "wait"
 
-def config_from_value(raw: object) -> StalenessConfig:
-    """Config from a raw setting (YAML, env, ``{p}:control``); raises naming ``staleness.keep_versions``."""
-    return StalenessConfig(_keep_value(raw))
+
+def config_from_value(raw: object, mode: Mode = "drop") -> StalenessConfig:
+    """Config from a raw setting (YAML, env, ``{p}:control``); raises naming ``staleness.keep_versions``
+    (or ``staleness.mode``), also for a non-zero window in wait mode."""
+    return StalenessConfig(_keep_value(raw), mode)
 
 
 class StalenessTracker:
@@ -203,11 +228,12 @@ class StalenessTracker:
             return outside_window([newest - self._pos[i.version] for i in infos], self.config.keep_versions)
 
     def set_keep_versions(self, keep_versions: object) -> bool:
-        """Change the window size live (None/0 = off); a bad value raises naming the key.
+        """Change the window size live (None/0 = off); a bad value raises naming the key, and so does
+        a non-zero one in wait mode (the mode is the config's, never changed live).
 
         Returns True iff the filter is now on with a different size (re-check pending groups then).
         """
-        config = config_from_value(keep_versions)
+        config = config_from_value(keep_versions, self.config.mode)
         with self._lock:
             changed = config != self.config
             self.config = config
@@ -272,11 +298,28 @@ class StalenessGroupFilter:
             (kept if self.keep_group(item[0], item[1]) else dropped).append(item)
         return kept, dropped
 
+    def assembly_order(self, groups: Sequence[Samples]) -> list[int]:
+        """Positions of the waiting ``groups`` (given oldest arrival first) in the order batches take them.
+
+        Drop mode: arrival order. Wait mode: oldest first, by the position of each group's oldest
+        trajectory end version in the version order (unknown versions are observed), then arrival;
+        a group with no real end version goes first (nothing can make it staler, nothing should
+        leave it waiting).
+        """
+        if not self.tracker.config.waits:
+            return list(range(len(groups)))
+
+        def oldest(group: Samples) -> int:
+            return min((self.tracker.index(i.version) for i in trajectory_version_infos(group)), default=-1)
+
+        keys = [oldest(g) for g in groups]
+        return sorted(range(len(groups)), key=lambda i: (keys[i], i))
+
     def metrics_for_groups(self, groups: Iterable[Samples | None]) -> dict[str, float]:
         """``staleness/*`` metrics for the groups being returned (gaps are per trajectory).
 
-        Window metrics only while the filter is on; ``version_span_*`` always (when any
-        trajectory has a traj_id).
+        Window metrics while the filter is on, the gaps also in wait mode (what pacing let through);
+        ``version_span_*`` always (when any trajectory has a traj_id).
         """
         present = [g for g in groups if g is not None]
         out: dict[str, float] = {}
@@ -287,6 +330,7 @@ class StalenessGroupFilter:
             if cur is not None and cut is not None:
                 out["staleness/current_version_index"] = float(cur)
                 out["staleness/cutoff_version_index"] = float(cut)
+        if t.enabled or t.config.waits:
             infos = [i for g in present for i in trajectory_version_infos(g)]
             for i in infos:
                 t.index(i.version)  # observe unknown versions before measuring any gap

@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 import redis
 from harness import ChaosDriver, Cluster, Fault, record_figures, wait_until
-from twosample import cluster_means, ks_statistic, mann_whitney
 
+from services.ops.twosample import cluster_means, ks_statistic, mann_whitney
 from services.prompt_buffer.schedule import Cursor, Schedule, group_id
 from shared.config import load_config
 from shared.tasks.dataset import load_dataset
@@ -64,7 +64,7 @@ EVAL = {"eval": {"every_versions": 5, "n_examples": 4, "batch_size": 4}}
 # Error texts of an unavailable upstream: a group dead-lettered with one of them was given up for an
 # infrastructure reason (shared/codes.py INFRASTRUCTURE, plus a session the restarted proxy forgot).
 INFRA_MARKERS = ("upstream_unavailable", "proxy_unreachable", "proxy_timeout", "proxy_http_50", "no engine reachable",
-                 "unknown_session", "rollout_paused", "connection refused", "ConnectError")
+                 "session_not_found", "rollout_paused", "connection refused", "ConnectError")
 ALPHA = 0.01
 UP_S = 300.0  # start-up of a whole pipeline (9 processes importing torch) on 2 cores shared with other work
 # Chaos, drain and the fault-free rerun: several times SOAK_S plus service start-ups on a loaded machine.

@@ -1,4 +1,5 @@
-"""Issue 11's experiment specs (E1 window, E2 span, E3 adaptive): valid, complete, and their quick presets run.
+"""The staleness experiment specs (issue 11: E1 window, E2 span, E3 adaptive; issue 40: E4 offpolicy): valid,
+complete, and their quick presets run.
 
 The quick runs check the plumbing only (every run of the preset finishes and lands in summary.csv),
 not the science; each is a few trainer steps per variant with a random-init tiny model.
@@ -13,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import REPO
 
 from services.ops.decisionlog import load_records
 from services.ops.experiment import main as experiment_main
 from services.ops.experiment_spec import load_spec
 from services.ops.replay import main as replay_main
 
-REPO = Path(__file__).resolve().parents[2]
-SPECS = ["window", "span", "adaptive"]
+SPECS = ["window", "span", "adaptive", "offpolicy"]
 
 
 def spec_path(name: str) -> Path:
@@ -48,6 +49,27 @@ def test_window_spec_covers_off_1_2_4_and_span_spec_every_cap(monkeypatch: pytes
     adaptive = load_spec(spec_path("adaptive")).runs
     assert any(r.config.get("window_controller", {}).get("enabled") for r in adaptive)
     assert {r.config["train"].get("staleness_weight") for r in adaptive} >= {"exp", "inverse"}
+
+
+def test_offpolicy_spec_crosses_eta_loss_and_staleness_control_at_4_minibatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    spec = load_spec(spec_path("offpolicy"))
+    assert len(spec.seeds) >= 5 and spec.stop.steps is not None  # every arm trains the same number of steps
+    arms = set()
+    for r in spec.runs:
+        c = r.config
+        assert c["train"]["minibatches_per_batch"] == 4 and c["model"]["task"] == "guess"
+        assert c["proxy"]["partial_rollout"] is True
+        control = "wait" if c["staleness"]["mode"] == "wait" else f"keep{c['staleness']['keep_versions']}"
+        arms.add((c["pacing"]["max_versions_ahead"], c["train"]["policy_loss"], control,
+                  c["proxy"]["max_partial_rollout_preempts"]))
+    losses = ("naive", "clipped", "decoupled")
+    assert {(0, loss, "keep0", None) for loss in losses} <= arms
+    assert {(eta, loss, control, None) for eta in (2, 4, 8) for loss in losses
+            for control in ("keep0", "keep2", "wait")} <= arms
+    assert {(8, "naive", "keep0", 1), (8, "clipped", "keep0", 1)} <= arms  # the span cap at the highest eta
+    quick = load_spec(spec_path("offpolicy"), quick=True)
+    assert {r.config["staleness"]["mode"] for r in quick.runs} == {"drop", "wait"}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +104,8 @@ def test_quick_preset_runs_end_to_end(name: str, guess_model: Path, tmp_path: Pa
         # exactly (exit 0; 1 would name the decisions that differ).
         assert load_records(run / "decisions.jsonl"), variant
         assert replay_main([str(run)]) == 0, variant
+        row = next(r for r in rows if r["variant"] == variant)
+        assert int(row["trained_n"]) > 0 and row["in_flight_s_mean"] != "", variant  # whom it drops; the age split
         config = yaml.safe_load((run / "config.yaml").read_text())
         if (config.get("window_controller") or {}).get("enabled"):  # the adaptive window keeps its log too
             assert (run / "window_decisions.jsonl").read_text().strip(), variant

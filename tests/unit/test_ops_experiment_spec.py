@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+from paths import REPO
 
 from services.ops.experiment import main as experiment_main
 from services.ops.experiment_spec import SpecError, interleaved, load_spec, nest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def write_spec(tmp_path: Path, **changes: Any) -> Path:

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import yaml
+from paths import REPO
 
 from services.ops import experiment_summary as summ
-from services.ops.experiment_report import add_time_to_baseline, headline, ratios
+from services.ops.experiment_report import add_time_to_baseline, age_table, drop_bias_table, headline, ratios
 from services.ops.experiment_spec import load_spec
-
-REPO = Path(__file__).resolve().parents[2]
+from shared.window_decisions import DecisionRecord
 
 
 def trainer(step: int, wall: float, reward: float, ts: float) -> dict[str, Any]:
@@ -111,3 +111,40 @@ def test_a_one_variant_spec_headlines_its_reward_gain(tmp_path: Path) -> None:
     line = headline(spec, rows)
     assert line.startswith("habit: reward gain from the first to the last fifth of the steps 0.300")  # 0.1 -> 0.4
     assert "seeds 2" in line and "async" not in line
+
+
+def test_whom_the_controls_drop_and_the_age_split_reach_the_row_and_the_report_tables(tmp_path: Path) -> None:
+    spec_path = tmp_path / "w.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "w", "base": str(REPO / "configs/test.yaml"), "baseline": "off", "seeds": [0, 1],
+        "stop": {"steps": 4}, "variants": {"off": {}, "keep1": {}}}, sort_keys=False))
+    spec = load_spec(spec_path)
+
+    def record(decision: str, tokens: int, passed: bool) -> DecisionRecord:
+        dropped = decision == "dropped"
+        return DecisionRecord(group_id="g", attempt=0, versions=[], gaps=[], keep_versions=1, current_version=None,
+                              cutoff_version=None, decision="dropped" if dropped else "trained",
+                              outcome="reenqueued" if dropped else "batched", reason="stale" if dropped else "in_window",
+                              window_decided=True, at=1.0, response_tokens=[tokens] * 2, rewards=[float(passed)] * 2)
+
+    trained = [record("trained", n, n % 2 == 0) for n in range(10, 30)]
+    decisions = {"o0": trained, "o1": trained, "k0": trained + [record("dropped", n, False) for n in range(40, 46)],
+                 "k1": trained + [record("dropped", n, False) for n in range(46, 52)]}
+    metrics = run_rows(2.0, {0: 0.2, 4: 0.5}) + [
+        {"service": "group-collector", "ts": 1001.0, "collector/batch_id": "b1", "staleness/time_in_flight_s_mean": 3.0,
+         "staleness/time_waiting_s_mean": 0.5}]
+    metrics[0]["train/batch_id"] = "b1"  # the step at ts 1002 trained it
+    rows = [summ.run_row(metrics, v, s, [], 4, None, None, key, decisions=decisions[key])
+            for key, v, s in (("o0", "off", 0), ("o1", "off", 1), ("k0", "keep1", 0), ("k1", "keep1", 1))]
+    assert (rows[2]["trained_n"], rows[2]["dropped_n"], rows[2]["dropped_len_mean"]) == (20, 6, 42.5)
+    assert rows[2]["dropped_len_p"] < 0.01 and rows[0]["dropped_len_p"] is None
+    assert (rows[0]["in_flight_s_mean"], rows[0]["queued_collector_s_mean"], rows[0]["queued_trainer_s_mean"]) == \
+        (3.0, 0.5, 1.0)
+    bias = drop_bias_table(spec, rows, decisions)
+    assert bias[1] == ["off", "-", "0 / 40", "nothing measured was dropped or dead-lettered", "", "", "", "", ""]
+    keep = bias[2]
+    assert keep[:4] == ["keep1", "dropped by the window", "12 / 40", "45.5 vs 19.5"] and keep[5] == "2/2"
+    assert keep[6] == "0.000 vs 0.500" and keep[8] == "2/2"  # none of the dropped passed, half the trained did
+    age = age_table(spec, rows)
+    assert age[0][1:4] == ["in flight (s)", "queued: finished -> cut (s)", "queued: cut -> trained (s)"]
+    assert age[1][1].startswith("3.00") and age[1][4].startswith("1.50")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from rollout_factory import rollout_group
+from rollout_factory import rollout_group, sample
 
 from services.group_collector.decisions import records_for
 from services.group_collector.outcomes import Arrival, retry_or_dead_letter
@@ -68,3 +68,24 @@ def test_records_carry_the_gaps_the_decision_saw_without_observing_anything() ->
     off = StalenessTracker(StalenessConfig(0))  # off: versions are not observed; unknown ones get -1
     (rec,) = records_for(retry_or_dead_letter(arrival, "stale", 2, 10.0), off, 11.0)
     assert rec.gaps == [-1, -1] and off.versions == []
+
+
+def test_a_record_written_before_lengths_and_rewards_still_loads_with_none_of_them() -> None:
+    old = {k.encode(): v.encode() for k, v in record().fields().items() if k not in ("response_tokens", "rewards")}
+    rec = DecisionRecord.from_fields(old)
+    assert (rec.response_tokens, rec.rewards) == ([], [])
+    assert DecisionRecord.model_validate_json(record().model_dump_json(exclude={"response_tokens", "rewards"})) == rec
+
+
+def test_records_carry_each_trajectorys_response_tokens_over_its_segments_and_its_last_reward() -> None:
+    group = rollout_group("g", [])
+    group.samples = [sample("t0", "1", 0, reward=0.0, n_response=3), sample("t1", "1", 0, reward=0.0, n_response=5),
+                     sample("t0", "2", 1, reward=0.5, n_response=4)]
+    (rec,) = records_for(retry_or_dead_letter(Arrival(b"1-0", group), "stale", 2, 10.0),
+                         StalenessTracker(StalenessConfig(2)), 11.0)
+    assert (rec.response_tokens, rec.rewards) == ([7, 5], [0.5, 0.0])
+    assert DecisionRecord.from_fields(rec.fields()) == rec
+    failed = rollout_group("f", [], status="failed", error="timeout")
+    (none,) = records_for(retry_or_dead_letter(Arrival(b"1-1", failed), "failed", 2, 10.0),
+                          StalenessTracker(StalenessConfig(2)), 11.0)
+    assert (none.response_tokens, none.rewards) == ([], [])

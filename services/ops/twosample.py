@@ -1,4 +1,5 @@
-"""Two-sample tests for the soak's length-bias check (no scipy in the project): pure functions.
+"""Two-sample tests (no scipy in the project): pure functions, one implementation for the chaos soak's
+length-bias check and the experiment reports' "whom the window drops" (``services.ops.dropbias``).
 
 * ``mann_whitney`` — Mann-Whitney U, two-sided, normal approximation with tie correction and
   continuity correction (what ``scipy.stats.mannwhitneyu(method="asymptotic")`` computes). Token

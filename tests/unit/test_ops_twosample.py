@@ -1,11 +1,12 @@
-"""The soak's two-sample tests against hand-computed and scipy reference values (pure, fast)."""
+"""The two-sample tests (soak length bias, experiment drop bias) against hand-computed and scipy reference values."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from twosample import TwoSampleResult, cluster_means, ks_statistic, mann_whitney
+
+from services.ops.twosample import TwoSampleResult, cluster_means, ks_statistic, mann_whitney
 
 
 def test_mann_whitney_matches_the_reference_value_for_fully_separated_samples() -> None:
