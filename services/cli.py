@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("services.ops.experiment", "variants x seeds of a spec as bounded runs, with a report"),
     "init-model": ("services.ops.init_model", "build a tiny HF model (+ warm start) for a task"),
     "make-data": ("services.ops.make_data", "generate the built-in task datasets"),
+    "check-data": ("services.ops.check_data", "load a task and read a dataset as the prompt-buffer will"),
 }
 
 

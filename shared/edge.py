@@ -35,12 +35,16 @@ class BadJson(ValueError):
 
 
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of an ``Authorization: Bearer <token>`` header in ASGI ``headers``, else None."""
+    """The token of an ``Authorization: Bearer <token>`` header in ASGI ``headers``, else of an
+    ``x-api-key`` header (how the Anthropic SDK sends its key), else None."""
+    api_key: bytes | None = None
     for k, v in headers:
         if k == b"authorization":
             scheme, _, token = v.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
-    return None
+        if k == b"x-api-key" and v.strip():
+            api_key = v.strip()
+    return api_key
 
 
 def same_secret(given: bytes | None, expected: str | None) -> bool:

@@ -37,7 +37,8 @@ def run_service(service: str, argv: Sequence[str] | None, build: Build, *, doc: 
                 overrides: Callable[[argparse.Namespace], dict[str, dict[str, Any]]] | None = None,
                 uses_redis: bool = True) -> int:
     """``overrides`` turns flags into config overrides (validated like the YAML); ``uses_redis=False``
-    skips the Redis login check (the engine never talks to Redis)."""
+    skips the Redis login check and the password policy (the engine never talks to Redis, so a
+    deployment gives it no Redis password)."""
     parser = service_parser(service, doc, burst_help)
     if extra_args is not None:
         extra_args(parser)
@@ -45,7 +46,10 @@ def run_service(service: str, argv: Sequence[str] | None, build: Build, *, doc: 
     setup_logging(service)
     start_errors: tuple[type[BaseException], ...] = (ConfigError, RedisAuthFailed, *expected)
     try:
-        cfg = load_config(args.config, overrides=overrides(args) if overrides is not None else None)
+        extra = overrides(args) if overrides is not None else {}
+        if not uses_redis:
+            extra = {**extra, "redis": {**extra.get("redis", {}), "require_password": False}}
+        cfg = load_config(args.config, overrides=extra)
         if uses_redis:
             check_redis(cfg.redis.client(), backoff_max_s=cfg.redis.reconnect_backoff_max_s)  # bad password: exit now
         runner = build(cfg, args)

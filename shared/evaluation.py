@@ -100,6 +100,15 @@ def preload(model_path: str | None = None) -> list[str]:
 
 
 _job_threads: int | None = None  # set by ``warm_up``: the torch threads a job runs with (a fork inherits it)
+_default_task: str | None = None  # set by ``configure``: the task of dataset rows without one (model.task)
+_template_kwargs: dict[str, Any] = {}  # set by ``configure``: model.chat_template_kwargs
+
+
+def configure(task: str | None, template_kwargs: dict[str, Any] | None = None) -> None:
+    """The eval worker's model settings, set before rq forks (a work horse inherits them): the default task
+    of rows without a ``task`` field and the chat template's variables. Jobs carry neither (admission)."""
+    global _default_task, _template_kwargs
+    _default_task, _template_kwargs = task, dict(template_kwargs or {})
 
 
 def warm_up(model_path: str, dataset: str, batch_size: int = 64, device: str = "cpu") -> bool:
@@ -148,7 +157,8 @@ def score_rows(model: Any, tokenizer: Any, rows: list[dict[str, Any]], batch_siz
         by_task[row["task"]].append(row)
     reward = accuracy = 0.0
     for name, task_rows in by_task.items():
-        res = evaluate(model, tokenizer, get_task(name), task_rows, greedy=True, batch_size=batch_size)
+        res = evaluate(model, tokenizer, get_task(name), task_rows, greedy=True, batch_size=batch_size,
+                       template_kwargs=_template_kwargs)
         reward += res.reward_mean * res.n
         accuracy += res.accuracy * res.n
     n = max(len(rows), 1)
@@ -187,9 +197,13 @@ def score_checkpoint(checkpoint_path: str, dataset: str, n_examples: int, batch_
     import torch
 
     from shared.modeling import load_model, load_tokenizer
-    from shared.tasks import load_dataset
+    from shared.tasks import scan_dataset
 
-    rows = load_dataset(dataset)[:n_examples]
+    scanned = scan_dataset(dataset, task=_default_task)  # malformed rows skipped, as the prompt-buffer does
+    if scanned.skipped:
+        log.warning("eval dataset %s: %d malformed row(s) skipped, first: %s", dataset, scanned.skipped,
+                    scanned.errors[0])
+    rows = scanned.rows[:n_examples]
     if not rows:
         raise ValueError(f"eval.dataset {dataset}: no rows to evaluate")
     model = load_model(checkpoint_path, device=device)

@@ -52,9 +52,10 @@ class PromptGroup(_Wire):
 
     group_id: str = Field(min_length=1, max_length=256)  # stable across attempts of the same prompt group
     prompt_id: str = Field(min_length=1, max_length=256)  # dataset row id
-    task: str = Field(min_length=1, max_length=64)  # task plugin name (shared.tasks)
+    task: str = Field(min_length=1, max_length=256)  # task name: built-in, entry point or import path (shared.tasks)
     prompt: str | list[Message]  # raw prompt text, or chat messages
     reference: Any = None  # whatever the task's verifier needs (answer, hidden number, ...)
+    row: dict[str, Any] | None = None  # a plugin task's dataset row as read (its hooks get it); None: built-in task
     n_samples: int = Field(ge=1, le=MAX_SAMPLES_PER_GROUP)  # trajectories per group
     attempt: int = Field(default=0, ge=0, le=MAX_ATTEMPT)  # 0 for the first try; +1 per re-enqueue
     enqueued_at: float = 0.0  # unix seconds when this attempt entered {p}:prompts

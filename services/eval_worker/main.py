@@ -12,7 +12,7 @@ from services.eval_worker.metrics import serve_metrics
 from services.eval_worker.worker import SERVICE, build_worker, run_worker
 from shared.config import DressageConfig
 from shared.entry import run_service
-from shared.evaluation import preload, warm_up
+from shared.evaluation import configure, preload, warm_up
 from shared.streams import consumer_name
 from shared.telemetry import prometheus_port
 
@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def build(cfg: DressageConfig, args: argparse.Namespace) -> Callable[[], int]:
+    configure(cfg.model.task, cfg.model.chat_template_kwargs)  # before the fork: every work horse inherits it
     modules = preload(cfg.model.path)  # inherited by every forked work horse (shared.evaluation.preload)
     warm = warm_up(cfg.model.path, cfg.eval.dataset, cfg.eval.batch_size, cfg.eval.device)
     log.info("preloaded %d modules for evaluation jobs model=%s warm=%s", len(modules), cfg.model.path, warm)

@@ -150,8 +150,9 @@ def retry_or_dead_letter(arrival: Arrival, why: Literal["stale", "failed"], max_
         return _dead(arrival, codes.MISSING_PROMPT_GROUP,
                      "RolloutGroup.prompt_group is missing; cannot re-enqueue", extra)
     error = STALE_NOTE if why == "stale" else (group.error or group.error_code or "failed")
-    if why == "failed" and not group.retryable:
-        return _dead(arrival, codes.INVALID_PROMPT_GROUP, error, extra)
+    if why == "failed" and not group.retryable:  # a task error keeps its own reason; anything else: invalid group
+        reason = codes.TASK_ERROR if group.error_code == codes.TASK_ERROR else codes.INVALID_PROMPT_GROUP
+        return _dead(arrival, reason, error, extra)
     if group.attempt < max_retries:
         record = RetryRecord(attempt=group.attempt, reason=why, error=error[:MAX_ERROR_CHARS], at=now)
         retry = prompt.model_copy(update={"attempt": group.attempt + 1, "enqueued_at": now,

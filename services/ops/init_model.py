@@ -20,6 +20,7 @@ from shared.errors import ConfigError, UnknownTask
 from shared.modeling.architecture import ModelSpec
 from shared.modeling.build import BuildReport, ModelDirExists, WarmStartOptions, build_model_dir, ensure_model
 from shared.modeling.loading import ModelNotFound
+from shared.tasks import TaskFailed, scan_dataset
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", required=True, help="task whose demonstrations warm-start the model")
     p.add_argument("--out", required=True, help="model directory to create")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default=None,
+                   help="rows to warm-start on, for a task without a generator (a plugin with demonstration(row))")
     p.add_argument("--warm-steps", type=int, default=400, help="max warm-start steps (0 = random init)")
     p.add_argument("--guess-share", type=float, default=0.0,
                    help="share of warm-start rows demonstrated by the task's wrong guess (tasks with a guess: lookup)")
@@ -111,17 +114,18 @@ def main(argv: list[str] | None = None) -> int:
         guess_share=args.guess_share,
     )
     try:
+        dataset = scan_dataset(args.dataset, task=args.task).rows if args.dataset else None
         if args.if_missing:
-            built = ensure_model(args.out, args.task, spec=spec, seed=args.seed, warm=warm)
+            built = ensure_model(args.out, args.task, spec=spec, seed=args.seed, warm=warm, dataset=dataset)
             if built is None:
                 print(f"model at {args.out} already complete; nothing to do")
                 return 0
             report = built
         else:
             report = build_model_dir(
-                args.out, args.task, spec=spec, seed=args.seed, warm=warm, replace=args.force
+                args.out, args.task, spec=spec, seed=args.seed, warm=warm, replace=args.force, dataset=dataset
             )
-    except (ConfigError, UnknownTask) as exc:
+    except (ConfigError, UnknownTask, TaskFailed, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (ModelDirExists, ModelNotFound) as exc:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.ops.decisionlog import CONTROLLER_FILE, DecisionFile, controller_records
+from services.ops.decisionlog import CONTROLLER_FILE, DecisionFile, controller_records, load_records
 from services.ops.decisionlog import FILE as DECISIONS_FILE
 from services.ops.metricslog import MetricsLog
 from services.ops.plan import TIER_SOURCE, RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
@@ -38,6 +38,7 @@ from shared.errors import ConfigError
 from shared.keys import Keys
 from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
+from shared.tasks.registry import TASK_NAMES
 from shared.versionbus import read_latest, version_number
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
     # Idempotent: --if-missing returns at once when the directory already holds a complete model.
     steps.append(("init-model", ["init-model", "--task", cfg.model.task, "--out", cfg.model.path, "--if-missing",
                                  "--warm-steps", str(cfg.model.warm_steps), "--seed", str(cfg.model.seed),
-                                 "--guess-share", str(cfg.model.warm_guess_share)]))
+                                 "--guess-share", str(cfg.model.warm_guess_share),
+                                 *([] if cfg.model.task in TASK_NAMES else ["--dataset", cfg.prompt_buffer.dataset])]))
     for name, args in steps:
         sys.stdout.write(f"preparing: dressage {' '.join(args)} (log: {logs / (name + '.log')})\n")
         sys.stdout.flush()
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"run {run_dir} | redis {public_url(handle.url)} ({handle.kind}) prefix {choices.prefix}"
                          f" | {len(specs)} processes | logs in {run_dir / 'logs'}\n"
                          f"watch it: dressage status --run {run_dir} --watch\n")
-        pw = cfg.redis.password.get_secret_value() if cfg.redis.password else None
+        pw = cfg.redis.secret()
         import redis
 
         r = redis.Redis.from_url(handle.url, password=pw, socket_connect_timeout=5, socket_timeout=10)
@@ -230,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             from services.ops.report import build_report
 
             files = build_report(progress.metrics.rows, run_dir / "report", f"Dressage run {run_dir.name}",
-                                 slots=choices.workers * cfg.rollout.concurrency)
+                                 slots=choices.workers * cfg.rollout.concurrency,
+                                 decisions=load_records(run_dir / DECISIONS_FILE))
             sys.stdout.write(f"\n{files.table}\n\nreport: {files.html}\nmetrics: {run_dir / 'metrics.jsonl'}\n")
         return 0 if result.ok else 1
     finally:

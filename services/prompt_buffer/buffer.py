@@ -14,6 +14,10 @@ seconds since that version's publication (the admission latency whenever pacing 
 The dead-letter brake (``brake.BrakePolicy``) reads the ``{p}:dead`` entries of its window on
 every step; while it is engaged nothing is emitted, ``{p}:prompt_buffer:brake`` (read by
 ``dressage status``) says why, and ``prompt_buffer/brake_engaged`` is 1 in the metrics.
+
+Malformed dataset rows were skipped when the dataset was read (``shared.tasks.scan_dataset``); their
+count is written to ``{p}:prompt_buffer:dataset`` at start (``dressage status``: DATASET) and reported
+as ``prompt_buffer/malformed_rows``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from shared.errors import DressageError
 from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.streams import ensure_group
+from shared.tasks.dataset import ScannedDataset
 from shared.telemetry import Heartbeat, MetricGauges, report_metrics
 from shared.versionbus import VersionWatcher, parse_version, version_index
 
@@ -63,8 +68,9 @@ class PromptBuffer:
                  chunk: int = 64, heartbeat_ttl_s: float = 15.0, redis_factory: Callable[[], redis.Redis] | None = None,
                  stop: StopFlag | None = None, gauges: MetricGauges | None = None,
                  clock: Callable[[], float] = time.time, brake: BrakePolicy | None = None,
-                 backoff_max_s: float = 5.0) -> None:
+                 backoff_max_s: float = 5.0, dataset: ScannedDataset | None = None) -> None:
         self.r, self.keys, self.rows, self.schedule, self.policy = r, keys, rows, schedule, policy
+        self.dataset = dataset  # what reading the dataset found (malformed rows skipped), shown by `dressage status`
         self.cfg, self.consumer, self.burst, self.chunk = cfg, consumer, burst, chunk
         self.stop = stop or StopFlag()
         self.loop = ConsumerLoop(SERVICE, self.stop, backoff_max_s=backoff_max_s)
@@ -146,6 +152,16 @@ class PromptBuffer:
                                                  "window_s": self.brake.window_s, "updated_at": f"{self.clock():.3f}"})
         return engaged
 
+    def record_dataset(self) -> None:
+        """``{p}:prompt_buffer:dataset``: the rows read and the malformed rows skipped (``dressage status``)."""
+        d = self.dataset
+        if d is None:
+            return
+        self.r.delete(self.keys.prompt_buffer_dataset)
+        self.r.hset(self.keys.prompt_buffer_dataset, mapping={
+            "path": d.path, "rows": len(d.rows), "malformed": d.skipped,
+            "first_error": str(d.errors[0])[:500] if d.errors else ""})
+
     # --- emitting --------------------------------------------------------------------------
 
     def emit(self, limit: int) -> int:
@@ -213,7 +229,8 @@ class PromptBuffer:
                    "prompt_buffer/in_flight": state.in_flight + emitted,
                    "prompt_buffer/capacity": self.last_capacity - emitted,
                    "prompt_buffer/version_index": -1 if state.version_index is None else state.version_index,
-                   "prompt_buffer/brake_engaged": int(self.braked)}
+                   "prompt_buffer/brake_engaged": int(self.braked),
+                   "prompt_buffer/malformed_rows": self.dataset.skipped if self.dataset is not None else 0}
         report_metrics(self.r, self.keys, SERVICE, metrics)
         if self.gauges is not None:
             self.gauges.set(metrics)
@@ -227,6 +244,7 @@ class PromptBuffer:
         if not self.burst:
             watcher.start()
         ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)  # deliver from the first entry on
+        self.record_dataset()
         total = 0
 
         def step() -> bool:

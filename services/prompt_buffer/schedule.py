@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.schemas import PromptGroup
+from shared.tasks import PluginTask, get_task
 
 
 @dataclass(frozen=True)
@@ -76,5 +77,6 @@ def prompt_group(row: dict[str, Any], epoch: int, index: int, n_samples: int, no
     """Attempt 0 of the prompt group of dataset ``row`` (validated by ``shared.tasks.load_dataset``)."""
     meta = {**(row.get("meta") or {}), "epoch": epoch, "dataset_index": index}
     return PromptGroup(group_id=group_id(epoch, index, row["prompt_id"]), prompt_id=row["prompt_id"],
-                       task=row["task"], prompt=row["prompt"], reference=row["reference"],
-                       n_samples=n_samples, attempt=0, enqueued_at=now, meta=meta)
+                       task=row["task"], prompt=row["prompt"], reference=row.get("reference"),
+                       n_samples=n_samples, attempt=0, enqueued_at=now, meta=meta,
+                       row=row if isinstance(get_task(row["task"]), PluginTask) else None)

@@ -46,6 +46,8 @@ class TrajectoryResult:
     correct: bool
     turns: int  # assistant replies the verifier saw
     samples: list[Sample] = field(default_factory=list)
+    components: dict[str, float] = field(default_factory=dict)  # the task's named reward parts
+    agent_reward: str | None = None  # an agent reported a reward: "accepted" or "refused" by the task; None: none
 
 
 def finalize_samples(session: str, raw_samples: Any, reward: float) -> list[Sample]:
@@ -88,7 +90,17 @@ def completed_group(group: PromptGroup, results: Sequence[TrajectoryResult], con
               "rollout_finished_at": finished_at, "worker": consumer,
               "agent": agent, "sessions": [r.session_id for r in results],
               "rewards": [r.reward for r in results], "correct": [r.correct for r in results],
-              "turns": [r.turns for r in results]})
+              "turns": [r.turns for r in results], **_components(results),
+              "agent_rewards": {"accepted": sum(r.agent_reward == "accepted" for r in results),
+                                "refused": sum(r.agent_reward == "refused" for r in results)}})
+
+
+def _components(results: Sequence[TrajectoryResult]) -> dict[str, Any]:
+    """``reward_components``: each named part's values by trajectory (None where one lacks it); {} without any."""
+    names = sorted({n for r in results for n in r.components})
+    if not names:
+        return {}
+    return {"reward_components": {n: [r.components.get(n) for r in results] for n in names}}
 
 
 def failed_group(group: PromptGroup, failure: TrajectoryFailed, consumer: str,

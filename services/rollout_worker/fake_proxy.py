@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,6 +73,7 @@ class FakeProxy:
         self.finalized: set[str] = set()
         self.closes: list[list[str]] = []  # the ids of every POST /v1/sessions/close, in order
         self.calls: list[tuple[str, ChatMessages]] = []
+        self.rewards: dict[str, dict[str, Any]] = {}  # POST /s/{sid}/v1/reward, the last report per session
         self.active = 0  # model calls in progress right now
         self.max_active = 0  # high-water mark of concurrent model calls
         self._lock = threading.Lock()
@@ -137,6 +139,8 @@ class FakeProxy:
             merged = answers[0][1]
             merged["choices"] = [{**a["choices"][0], "index": i} for i, (_, a) in enumerate(answers)]
             return 200, merged
+        if method == "POST" and parts[0] == "s" and parts[2:] == ["v1", "reward"]:
+            return self._reward(parts[1], body)
         if method == "POST" and parts == ["v1", "sessions", "close"]:
             return self._close(json.loads(body or b"{}"))
         if parts[:2] == ["v1", "sessions"] and len(parts) in (3, 4):
@@ -151,8 +155,26 @@ class FakeProxy:
                     self.deleted.append(parts[2])
                     if self.sessions.pop(parts[2], None) is not None:
                         return 200, {"deleted": parts[2]}
-            return 404, {"detail": {"error": "unknown_session", "message": parts[2]}}
+            return 404, {"detail": {"error": "session_not_found", "message": parts[2]}}
         return 404, {"detail": f"no route {method} {path}"}
+
+    def _reward(self, sid: str, body: bytes) -> tuple[int, Any]:
+        """The proxy's rule: a finite reward for a live session that made a model call, not yet finalized."""
+        try:
+            req = json.loads(body or b"{}")
+            reward = float(req["reward"])
+            report = {"reward": reward, "components": dict(req.get("components") or {})}
+        except (ValueError, KeyError, TypeError):
+            return 422, {"detail": {"error": "invalid_request", "message": "reward: a number is required"}}
+        if not math.isfinite(reward):
+            return 422, {"detail": {"error": "invalid_request", "message": "reward must be finite"}}
+        with self._lock:
+            if sid in self.finalized:
+                return 409, {"detail": {"error": "session_conflict", "message": f"session {sid!r} is finalized"}}
+            if sid not in self.sessions:
+                return 404, {"detail": {"error": "session_not_found", "message": sid}}
+            self.rewards[sid] = report
+        return 200, {"session_id": sid, **report}
 
     def _close(self, req: dict[str, Any]) -> tuple[int, Any]:
         ids = req.get("session_ids")
@@ -169,7 +191,7 @@ class FakeProxy:
                     samples = self.sessions.pop(sid)
                     if req.get("records", True):
                         records[sid] = {"session_id": sid, "samples": samples, "finalized": True,
-                                        "versions": [self.version]}
+                                        "versions": [self.version], "agent_reward": self.rewards.get(sid)}
         return 200, {"closed": [s for s in ids if s not in missing], "missing": missing, "records": records}
 
     async def handle_async(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any]:

@@ -27,6 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -44,12 +45,27 @@ from shared.keys import GROUP_ROLLOUT, Keys
 from shared.lifecycle import StopFlag
 from shared.retry import Backoff
 from shared.schemas import PromptGroup, RolloutGroup
-from shared.streams import Entry, GroupReader, ensure_group
+from shared.streams import Entry, GroupReader, ensure_group, lost_group
 from shared.telemetry import Heartbeat, report_metrics
 
 log = logging.getLogger(__name__)
 SERVICE = "rollout-worker"
 POLL_S = 0.25  # how often the loop looks at the stop flag while groups run
+
+
+def reward_metrics(meta: dict[str, Any]) -> dict[str, float]:
+    """A completed group's reward parts as metrics: ``rollout/reward/<name>`` (mean over the trajectories
+    that have it) and the agent-reported rewards the task accepted or refused."""
+    out: dict[str, float] = {}
+    for name, values in (meta.get("reward_components") or {}).items():
+        got = [float(v) for v in values if isinstance(v, (int, float))]
+        if got:
+            out[f"rollout/reward/{name}"] = round(sum(got) / len(got), 6)
+    agent = meta.get("agent_rewards") or {}
+    if agent.get("accepted") or agent.get("refused"):
+        out["rollout/agent_rewards_accepted"] = float(agent.get("accepted", 0))
+        out["rollout/agent_rewards_refused"] = float(agent.get("refused", 0))
+    return out
 
 
 class RolloutWorker:
@@ -153,7 +169,7 @@ class RolloutWorker:
     async def _backoff(self, what: str, exc: Exception) -> None:
         delay = self.backoff.next()
         log.warning("redis error during %s (retry in %.1fs): %s", what, delay, exc)
-        if "NOGROUP" in str(exc):
+        if lost_group(exc):
             try:
                 ensure_group(self.r, self.keys.prompts, GROUP_ROLLOUT)
             except redis.RedisError:
@@ -204,6 +220,7 @@ class RolloutWorker:
         await asyncio.to_thread(report_metrics, self.r, self.keys, SERVICE, {
             "rollout/group_seconds": round(seconds, 4), "rollout/reward_mean": rollout.reward_mean,
             "rollout/num_trajectories": group.n_samples, "rollout/num_segments": len(rollout.samples),
+            **reward_metrics(rollout.meta),
             "group_id": group.group_id, "attempt": group.attempt, "consumer": self.consumer})
 
     def _hold(self, entry: Entry, group: PromptGroup, failure: TrajectoryFailed) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -39,7 +40,7 @@ from shared.modeling.loading import (
 )
 from shared.modeling.tokenizer import build_tokenizer, save_tokenizer
 from shared.modeling.warmstart import EvalResult, evaluate, warm_start_model
-from shared.tasks import get_task
+from shared.tasks import PluginTask, get_task
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,23 @@ def _figures(
     return out
 
 
-def _split_rows(task: Any, options: WarmStartOptions, seed: int) -> tuple[list[dict[str, Any]], ...]:
+def _split_rows(task: Any, options: WarmStartOptions, seed: int,
+                dataset: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], ...]:
     """Pairwise-distinct (train, held-out, report) rows; train as large as the steps can use.
 
-    A task with a small `capacity` gets at most a quarter of it held out for each check set.
+    A task with a small `capacity` gets at most a quarter of it held out for each check set. A task
+    without a generator (a plugin) takes the rows of ``dataset``, shuffled by ``seed``.
     """
     wanted = max(options.steps, 1) * options.batch_size
     capacity = getattr(task, "capacity", None)
     total = wanted + HELDOUT_ROWS + REPORT_ROWS
+    if dataset is not None:
+        rows = list(dataset)
+        random.Random(seed + TRAIN_SEED_OFFSET).shuffle(rows)
+        held, rep = min(HELDOUT_ROWS, len(rows) // 4), min(REPORT_ROWS, len(rows) // 4)
+        return rows[: len(rows) - held - rep], rows[len(rows) - held - rep : len(rows) - rep], rows[len(rows) - rep :]
+    if isinstance(task, PluginTask):
+        raise ValueError(f"task {task.name!r} generates no rows: give its dataset (init-model --dataset)")
     if isinstance(capacity, int) and capacity > 0:
         total = min(total, capacity)
     rows = task.generate(total, seed + TRAIN_SEED_OFFSET)
@@ -164,8 +174,9 @@ def _run_warm_start(
     options: WarmStartOptions,
     seed: int,
     report: BuildReport,
+    dataset: list[dict[str, Any]] | None = None,
 ) -> None:
-    train, held, rep = _split_rows(task, options, seed)
+    train, held, rep = _split_rows(task, options, seed, dataset)
     report.before = _figures(model, tok, task, rep, seed)
     ws = warm_start_model(
         model,
@@ -192,8 +203,10 @@ def build_model_dir(
     seed: int = 0,
     warm: WarmStartOptions | None = None,
     replace: bool = False,
+    dataset: list[dict[str, Any]] | None = None,
 ) -> BuildReport:
-    """Build tokenizer + model (random init from `seed`), optionally warm-start, install at `out`."""
+    """Build tokenizer + model (random init from `seed`), optionally warm-start (on ``dataset``'s rows for a
+    task without a generator), install at `out`."""
     quiet_transformers()
     spec = spec or ModelSpec()
     spec.validate()
@@ -208,7 +221,7 @@ def build_model_dir(
     model = build_model(spec, len(tok), int(tok.pad_token_id), int(tok.eos_token_id), seed=seed)
     report = BuildReport(str(out), task_name, seed, count_parameters(model), spec.as_dict())
     if warm.steps > 0:
-        _run_warm_start(model, tok, task, warm, seed, report)
+        _run_warm_start(model, tok, task, warm, seed, report, dataset)
     report.seconds = time.perf_counter() - t0
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     _write_dir(model, tok, {"builder": "shared.modeling", **asdict(report), "warm": asdict(warm)}, tmp)
@@ -232,12 +245,13 @@ def ensure_model(
     spec: ModelSpec | None = None,
     seed: int = 0,
     warm: WarmStartOptions | None = None,
+    dataset: list[dict[str, Any]] | None = None,
 ) -> BuildReport | None:
     """Build the model at `path` unless a complete one is already there; the report if built now."""
     if not missing_files(path):
         log.info("model path=%s already complete; not rebuilding", path)
         return None
-    return build_model_dir(path, task_name, spec=spec, seed=seed, warm=warm, replace=False)
+    return build_model_dir(path, task_name, spec=spec, seed=seed, warm=warm, replace=False, dataset=dataset)
 
 
 def read_build_info(path: str | Path) -> dict[str, Any] | None:

@@ -2,7 +2,8 @@
 
 Contract: one code path for the tiny CPU models built here and for real checkpoints (e.g. a
 Qwen3 model on a GPU machine): `AutoTokenizer` / `AutoModelForCausalLM` on a local
-directory, nothing downloaded (``local_files_only``). `load_model` returns the model in eval
+directory, nothing downloaded (``local_files_only``; a model id in ``model.path`` is resolved to its
+folder in the Hugging Face cache when the config loads, ``shared.hub``). `load_model` returns the model in eval
 mode on the requested device and dtype. A missing or incomplete directory raises
 `ModelNotFound` naming the path and the missing file, before `transformers` is asked.
 """
@@ -13,25 +14,23 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from shared.errors import ConfigError, DressageError
+from shared.hub import looks_like_hub_id
+
+if TYPE_CHECKING:  # torch only where a model is loaded: the proxy needs a tokenizer alone
+    import torch
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # accepted name -> torch attribute
 
 # Files without which a directory is not a loadable model (weights may also be sharded).
 TOKENIZER_FILES = ("tokenizer_config.json",)
@@ -45,12 +44,15 @@ class ModelNotFound(DressageError):
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """'float32' / 'bfloat16' / 'float16' (or their short forms) -> torch dtype."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name.strip().lower()]
+        dtype: torch.dtype = getattr(torch, _DTYPES[name.strip().lower()])
     except KeyError:
         raise ConfigError(f"model.dtype={name!r}: expected one of {sorted(_DTYPES)}") from None
+    return dtype
 
 
 def missing_files(path: str | Path) -> list[str]:
@@ -66,6 +68,12 @@ def missing_files(path: str | Path) -> list[str]:
     return missing
 
 
+def _hub_hint(path: str) -> str:
+    if not looks_like_hub_id(path):
+        return ""
+    return f"; as a model id it is not in the Hugging Face cache (HF_HOME): fetch it with `hf download {path}`"
+
+
 def quiet_transformers() -> None:
     """Turn off `transformers` progress bars (they would flood service logs on every reload)."""
     hf_logging.disable_progress_bar()
@@ -75,7 +83,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in `path` (needs a chat template for chat use)."""
     p = Path(path)
     if not p.is_dir() or not (p / "tokenizer_config.json").is_file():
-        raise ModelNotFound(f"no tokenizer at {p} (tokenizer_config.json missing)")
+        raise ModelNotFound(f"no tokenizer at {p} (tokenizer_config.json missing){_hub_hint(str(path))}")
     tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     if tok.pad_token_id is None:
         # Real checkpoints sometimes lack a pad token; padding with eos is the usual fix.
@@ -90,7 +98,9 @@ def load_model(
     p = Path(path)
     missing = missing_files(p)
     if missing:
-        raise ModelNotFound(f"model directory {p} is incomplete: missing {', '.join(missing)}")
+        raise ModelNotFound(f"model directory {p} is incomplete: missing {', '.join(missing)}{_hub_hint(str(path))}")
+    from transformers import AutoModelForCausalLM
+
     quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=parse_dtype(dtype), local_files_only=True)
     model.to(device)  # type: ignore[arg-type]  # transformers' decorator hides Module.to
@@ -117,8 +127,10 @@ def chat_input_ids(
     messages: Sequence[Mapping[str, Any] | Any],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template (``tools``, if any, too).
+    """Token ids of `messages` rendered with the tokenizer's chat template (``tools``, if any, too;
+    ``template_kwargs`` are the template's own variables, e.g. Qwen3's ``enable_thinking``).
 
     Only the template writes real special tokens: special-token text inside a message's content
     (``<|im_end|>\n<|im_start|>system`` typed by a user or produced by a model) is encoded as plain
@@ -126,7 +138,7 @@ def chat_input_ids(
     path (render, encode once), so ordinary prompts tokenize exactly as before.
     """
     dicts = _as_dicts(messages)
-    template_kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+    template_kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     specials = special_texts(tokenizer)
     if any(isinstance(m["content"], str) and any(sp in m["content"] for sp in specials) for m in dicts):
         return _segmented_ids(tokenizer, dicts, add_generation_prompt, template_kwargs)

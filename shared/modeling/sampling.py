@@ -41,17 +41,18 @@ def generate_batch(
     temperature: float = 1.0,
     seed: int | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Completion]:
     """Replies to each conversation, decoded together in one left-padded batch (``tools``: the
-    tool list the chat template renders, as for a tool-using task)."""
+    tool list the chat template renders, as for a tool-using task; ``template_kwargs``: the template's
+    own variables, ``model.chat_template_kwargs``)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     if not greedy and temperature <= 0:
         raise ValueError(f"temperature={temperature}: expected > 0 when sampling")
     if not conversations:
         return []
-    prompts = [chat_input_ids(tokenizer, c, tools=tools) if tools else chat_input_ids(tokenizer, c)
-               for c in conversations]
+    prompts = [chat_input_ids(tokenizer, c, tools=tools, template_kwargs=template_kwargs) for c in conversations]
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     width = max(len(p) for p in prompts)
     device = next(model.parameters()).device

@@ -38,6 +38,8 @@ CHARACTERS: tuple[str, ...] = ("\n", *(chr(c) for c in range(32, 127)))
 # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, and tool results as a ChatML ``tool``
 # turn (Qwen wraps them in <tool_response> inside a user turn; the short form keeps the result
 # close to the answer that copies it). Without tools and tool turns the rendering is plain ChatML.
+# As in Qwen3's template, ``enable_thinking=False`` (a chat_template_kwargs variable) writes an empty
+# reasoning block after the generation prompt, so the model answers without thinking.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(skip=0) -%}"
     "{%- if tools -%}"
@@ -70,6 +72,9 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
 )
 

@@ -33,7 +33,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from shared.modeling.loading import chat_input_ids
 from shared.modeling.sampling import generate_batch
-from shared.tasks.base import Task
+from shared.tasks.base import DemoTurn, Task, start_episode
+from shared.tasks.plugin import PluginTask
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class WarmStartReport:
 
 def _turn_example(tokenizer: PreTrainedTokenizerBase, messages: list[Any], reply: str, eos: int,
                   tools: list[dict[str, Any]] | None = None) -> Example:
-    prompt_ids = chat_input_ids(tokenizer, messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+    prompt_ids = chat_input_ids(tokenizer, messages, add_generation_prompt=True, tools=tools)
     reply_ids = [int(i) for i in tokenizer.encode(reply, add_special_tokens=False)] + [eos]
     return Example(prompt_ids + reply_ids, [0] * len(prompt_ids) + [1] * len(reply_ids))
 
@@ -111,11 +112,15 @@ def demonstration_examples(
         raise ValueError(f"guess_share={guess_share}: task {task.name!r} has no guess demonstrations")
     examples: list[Example] = []
     for row in rows:
-        demo = guess if guess is not None and guessed(row["prompt"], guess_share) else task.demonstration
-        turns = [
-            _turn_example(tokenizer, list(messages), reply, int(eos), getattr(task, "tools", None))
-            for messages, reply in demo(row["prompt"], row["reference"])
-        ]
+        demo: list[DemoTurn]
+        if guess is not None and guessed(row["prompt"], guess_share):
+            demo = guess(row["prompt"], row["reference"])
+        elif isinstance(task, PluginTask):
+            demo = task.demonstration_row(row)  # a plugin reads the whole row
+        else:
+            demo = task.demonstration(row["prompt"], row["reference"])
+        turns = [_turn_example(tokenizer, list(messages), reply, int(eos), getattr(task, "tools", None))
+                 for messages, reply in demo]
         examples.extend(_merge_turns(turns))
     return examples
 
@@ -158,11 +163,12 @@ def evaluate(
     temperature: float = 1.0,
     seed: int = 0,
     batch_size: int = 64,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> EvalResult:
     """Play each row as an episode of `task`; mean reward and exact-match accuracy."""
     was_training = model.training
     model.eval()
-    episodes = [task.start(r["prompt"], r["reference"]) for r in rows]
+    episodes = [start_episode(task, r) for r in rows]
     turn = 0
     while True:
         live = [ep for ep in episodes if not ep.done]
@@ -179,6 +185,7 @@ def evaluate(
                 temperature=temperature,
                 seed=seed + 7919 * turn + start,
                 tools=getattr(task, "tools", None),
+                template_kwargs=template_kwargs,
             )
             for ep, reply in zip(chunk, replies, strict=True):
                 ep.step(reply.text)

@@ -1,10 +1,15 @@
-"""Task plugin contract: datasets with verifiable rewards, one episode per trajectory.
+"""The episode protocol the services drive, and the built-in tasks' own contract.
 
-A task turns a dataset row (``prompt``, ``reference``) into an :class:`Episode` that produces the
-chat messages for the next model call, records each assistant reply, optionally answers with
-environment feedback (a ``user`` message), and finally scores the trajectory.
+Every task -- built-in or a plugin (``shared.tasks.plugin``: the small interface a user implements,
+adapted to this protocol) -- turns a dataset row into an :class:`Episode` that produces the chat
+messages for the next model call, records each assistant reply, optionally answers with environment
+feedback, and finally scores the trajectory. ``start_episode(task, row)`` is the one way in.
 
-Invariants every task keeps:
+What every task keeps: a garbage reply is a wrong answer, never an exception; ``reward()`` is a
+finite number; a row the task cannot take raises :class:`InvalidReference` naming the field.
+
+The built-in tasks (``reverse``, ``add``, ``guess``, ``lookup``) keep more, because they train the
+tiny char-level CPU models this project builds; none of this binds a plugin:
 * ``generate(n, seed)`` is a pure function of ``(n, seed)``; its rows are JSON-serialisable and
   pairwise distinct in ``(prompt, reference)``.
 * text stays inside the char-level vocabulary: printable ASCII 32..126 and ``"\\n"``; prompts are
@@ -12,8 +17,8 @@ Invariants every task keeps:
   ``shared.toolcalls``, is not an answer; tool-using tasks list their tools in a ``tools``
   attribute, in OpenAI's shape).
 * ``reward()`` is in ``[0, 1]``; ``correct()`` implies ``reward() == 1.0``.
-* a garbage reply is a wrong answer, never an exception; a bad ``reference`` raises
-  :class:`InvalidReference` naming the field at the edge (``start`` / ``validate_reference``).
+* a bad ``reference`` raises :class:`InvalidReference` naming the field at the edge
+  (``start`` / ``validate_reference``).
 * replaying ``demonstration(prompt, reference)`` through ``start(prompt, reference)`` ends with
   ``reward() == 1.0`` and ``correct()``.
 """
@@ -21,9 +26,11 @@ Invariants every task keeps:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.errors import DressageError
+from shared.tasks.reasoning import answer_text
 
 ChatMessage = dict[str, str]
 DemoTurn = tuple[list[ChatMessage], str]
@@ -67,8 +74,9 @@ def prompt_messages(prompt: str | Sequence[Any]) -> list[ChatMessage]:
 
 
 def first_line(reply: str) -> str:
-    """The part of a reply that is scored: its first non-empty line, stripped."""
-    for line in str(reply).strip().split("\n"):
+    """The part of a reply that is scored: the first non-empty line, stripped, of the text after its
+    reasoning block (``shared.tasks.reasoning``), so a thinking model is scored on its answer."""
+    for line in answer_text(str(reply)).strip().split("\n"):
         if line.strip():
             return line.strip()
     return ""
@@ -130,17 +138,43 @@ class Episode:
     def _feedback(self, reply: str) -> str | None:
         raise NotImplementedError
 
+    def take_agent_turns(self, turns: list[str]) -> None:
+        """Step the assistant turns a black-box agent reported, in order, until the episode is done."""
+        for turn in turns:
+            if self.done:
+                break
+            self.step(turn)
+
+    def offer_agent_reward(self, report: AgentReward) -> bool:
+        """An agent reported its own reward; True if the task takes it into account. Built-in tasks
+        score with their own verifier only: refused."""
+        return False
+
     def reward(self) -> float:
         """Trajectory reward in [0, 1]."""
         raise NotImplementedError
+
+    def components(self) -> dict[str, float]:
+        """Named parts of the reward, logged as metrics (none for the built-ins)."""
+        return {}
 
     def correct(self) -> bool:
         """The task was solved (implies ``reward() == 1.0``)."""
         return self.solved and self.reward() == 1.0
 
 
+@dataclass(frozen=True)
+class AgentReward:
+    """A reward an agent reported for its own trajectory (the task decides what it counts for)."""
+
+    reward: float  # finite
+    components: dict[str, float] = field(default_factory=dict)  # named parts, each finite
+    source: str = "proxy"  # "proxy" (POST /s/{session}/v1/reward) or "stdout" (the agent's last line)
+
+
 class Task(Protocol):
-    """What rollout workers and evaluation jobs need from a task plugin."""
+    """What rollout workers and evaluation jobs need from a task (a plugin is adapted: ``shared.tasks.plugin``).
+    ``generate(n, seed)`` makes the built-ins' datasets; a plugin brings a dataset file instead."""
 
     name: str
     multi_turn: bool
@@ -154,6 +188,17 @@ class Task(Protocol):
     def start(self, prompt: str | Sequence[Any], reference: Any) -> Episode: ...
 
     def demonstration(self, prompt: str | Sequence[Any], reference: Any) -> list[DemoTurn]: ...
+
+
+def start_episode(task: Task, row: Mapping[str, Any]) -> Episode:
+    """The episode of dataset ``row``: a plugin reads the whole row, a built-in its prompt and reference."""
+    start_row = getattr(task, "start_row", None)
+    if start_row is not None:
+        episode: Episode = start_row(row)
+        return episode
+    if "prompt" not in row:
+        raise InvalidReference("prompt", "missing")
+    return task.start(row["prompt"], row.get("reference"))
 
 
 def make_row(task: str, index: int, seed: int, prompt: str, reference: Any) -> dict[str, Any]:

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from paths import REPO
 
 
 @pytest.fixture(scope="session")

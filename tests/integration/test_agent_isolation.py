@@ -16,10 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
 from shared.edge import session_token
 
-REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"REDIS_PASSWORD": "redis-secret-value-123", "AWS_SECRET_ACCESS_KEY": "aws-secret-value-456",
            "HF_TOKEN": "hf-secret-value-789", "DRESSAGE_PROXY_OPERATOR_KEY": "operator-secret-000"}
 AGENT_KEY = "agent-key-for-the-worker-0123"
@@ -71,7 +71,7 @@ def test_agent_sees_only_allow_listed_env_and_cannot_read_the_worker() -> None:
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["uid"] == (65534 if root else os.getuid())
     allowed = {"PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH",
-               "OPENAI_BASE_URL", "OPENAI_API_KEY", "DRESSAGE_SESSION_ID"}
+               "OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "DRESSAGE_SESSION_ID"}
     assert set(seen["env"]) <= allowed, sorted(set(seen["env"]) - allowed)
     assert seen["env"]["OPENAI_API_KEY"] == session_token(AGENT_KEY, "traj-7")  # never the proxy key itself
     assert seen["env"]["OPENAI_BASE_URL"].endswith("/s/traj-7/v1")

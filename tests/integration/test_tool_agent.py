@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from paths import REPO
 from proxy_support import ProxyThread, free_port
 
 from services.ops import series
@@ -34,7 +35,6 @@ from shared.modeling.tokenizer import build_tokenizer, save_tokenizer
 from shared.tasks import get_task
 from shared.tasks.lookup import lookup_value, tool_call_text
 
-REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from proxy_fake_engine import FakeEngine  # noqa: E402
 

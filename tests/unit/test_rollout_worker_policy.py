@@ -42,7 +42,7 @@ def test_upstream_unavailable_is_infrastructure(code: str) -> None:
 
 @pytest.mark.parametrize("code", [STALENESS_EXCEEDED, "trajectory_version_changed", "generation_preempted",
                                   "trajectory_timeout", "agent_exit", "invalid_prompt_group", "internal_error",
-                                  "proxy_http_500", "unknown_session", "upstream_error"])
+                                  "proxy_http_500", "session_not_found", "upstream_error"])
 def test_the_groups_own_failures_are_not_infrastructure(code: str) -> None:
     assert not TrajectoryFailed(code).infrastructure
 

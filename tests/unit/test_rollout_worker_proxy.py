@@ -89,7 +89,7 @@ def test_unknown_session_is_a_failure_but_deleting_it_is_fine(kind: str) -> None
     client = make_client(kind, FakeProxy())
     with pytest.raises(TrajectoryFailed) as info:
         run(lambda: client.finalize("nope"))
-    assert info.value.code == "unknown_session"
+    assert info.value.code == "session_not_found"
     run(lambda: client.delete_session("nope"))
 
 
@@ -205,7 +205,7 @@ def test_malformed_completion_is_a_failure() -> None:
     # an engine answering 503 while it restarts: the upstream is unavailable, not the trajectory's fault
     (502, {"detail": {"error": "upstream_error", "engine_status": 503}}, "upstream_unavailable"),
     (502, {"detail": {"error": "upstream_error", "engine_status": 400}}, "upstream_error"),
-    (404, {"detail": "no such session"}, "unknown_session"),
+    (404, {"detail": "no such session"}, "session_not_found"),
     (422, {"detail": [{"loc": ["body"]}]}, "proxy_http_422"),
 ])
 def test_error_body_mapping(status: int, body: Any, code: str) -> None:

@@ -83,7 +83,7 @@ def test_a_session_the_proxy_lost_fails_the_group_and_is_not_closed_twice() -> N
             return await super().close_sessions(session_ids, records)
 
     gf = failure(Forgetful(fake), group(n_samples=3))
-    assert gf.failure.code == "unknown_session" and (gf.failure.session_id or "").startswith("g1-a0-s1-")
+    assert gf.failure.code == "session_not_found" and (gf.failure.session_id or "").startswith("g1-a0-s1-")
     assert len(fake.closes) == 1 and fake.sessions == {}
 
 
@@ -206,7 +206,7 @@ def test_crashing_agent_fails_the_group() -> None:
 def test_agent_that_never_calls_the_model_has_no_samples() -> None:
     with pytest.raises(GroupFailed) as info:
         blackbox(FakeProxy(), group(n_samples=1), [sys.executable, "-c", "print('1284')"])
-    assert info.value.failure.code == "unknown_session"
+    assert info.value.failure.code == "session_not_found"
 
 
 def test_hanging_agent_is_killed_at_the_trajectory_timeout(tmp_path: Path) -> None:
@@ -239,7 +239,7 @@ def test_agent_env_strips_service_secrets_and_sets_the_session() -> None:
     env = agent_env({"PATH": "/bin", "REDIS_URL": "redis://x", "DRESSAGE_REDIS_PASSWORD": "p"}, "http://p/s/x/v1",
                     None, "x")
     assert env == {"PATH": "/bin", "OPENAI_BASE_URL": "http://p/s/x/v1", "OPENAI_API_KEY": "none",
-                   "DRESSAGE_SESSION_ID": "x"}
+                   "DRESSAGE_SESSION_ID": "x", "ANTHROPIC_BASE_URL": "http://p/s/x", "ANTHROPIC_API_KEY": "none"}
 
 
 def test_missing_agent_program_is_a_config_error() -> None:

@@ -258,7 +258,7 @@ GOOD = '{"prompt_id": "a", "task": "add", "prompt": "1+2=", "reference": "3"}'
     [
         ("{not json", "line", "invalid JSON"),
         ("[1, 2]", "row", "JSON object"),
-        ('{"task": "add", "prompt": "1+2=", "reference": "3"}', "prompt_id", "missing"),
+        ('{"prompt_id": "b", "task": "add", "reference": "3"}', "prompt", "missing"),
         ('{"prompt_id": "b", "task": "sort", "prompt": "1+2=", "reference": "3"}', "task", "unknown task"),
         (
             '{"prompt_id": "b", "task": "add", "prompt": "1+2=", "reference": "4"}',
