@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import redis
 import yaml
+from paths import REPO
 from waits import wait_for
 
 from services.ops.history import History, collect, poll
@@ -40,7 +41,6 @@ from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.modeling import ModelSpec, ensure_model
 from shared.redisproc import RedisProcess, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 # Smaller than the default tiny model: the chaos suite checks plumbing, and every process loads it.
 CHAOS_SPEC = ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, max_position_embeddings=128)

@@ -17,13 +17,13 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from paths import REPO
 from waits import wait_for
 
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
 from shared.redisproc import free_port
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[2]
 LONG = 1500  # a generation that is always interrupted before it ends
 
 

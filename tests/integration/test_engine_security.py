@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from paths import REPO
 from proxy_support import wait_healthy
 
 from shared.modeling import ModelSpec, build_model_dir, load_model
 from shared.redisproc import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "engine-key-for-tests-0123456789"
 
 

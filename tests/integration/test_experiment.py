@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import REPO
 from waits import wait_for
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_spec(tmp_path: Path, model: Path) -> Path:

@@ -9,14 +9,16 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
 
+from services.group_collector.collector import GroupCollector
 from services.ops import acl
 from services.window_controller.loop import WindowController
 from shared.config import WindowControllerConfig
-from shared.keys import GROUP_ROLLOUT, Keys
+from shared.keys import GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.redisproc import find_redis_server, free_port
 from shared.schemas import WeightVersion
 from shared.telemetry import heartbeat, report_metrics
@@ -127,6 +129,16 @@ def test_window_controller_sets_the_window_and_writes_nothing_else(acl_server: t
                     lambda: wc.set(f"{PREFIX}:control", "x"), lambda: wc.xadd(KEYS.prompts, {"x": "1"})):
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
+
+
+def test_the_collector_trims_what_its_consumers_acknowledged(acl_server: tuple[int, dict[str, str]]) -> None:
+    collector, trainer = client(acl_server, "group-collector"), client(acl_server, "trainer")
+    collector.xadd(KEYS.batches, {"kind": "batch", "batch_id": "b1"})
+    trainer.xgroup_create(KEYS.batches, GROUP_TRAINER, id="0")
+    [(_, [(entry_id, _)])] = trainer.xreadgroup(GROUP_TRAINER, "trainer", {KEYS.batches: ">"}, count=1)
+    trainer.xack(KEYS.batches, GROUP_TRAINER, entry_id)
+    GroupCollector.trim(SimpleNamespace(r=collector, keys=KEYS))  # type: ignore[arg-type]  # trim reads .r and .keys only
+    assert collector.xlen(KEYS.batches) == 0
 
 
 def test_rq_users_read_the_server_version_and_no_other_info(acl_server: tuple[int, dict[str, str]]) -> None:

@@ -21,6 +21,7 @@ import openai
 import pytest
 import redis
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
+from paths import REPO
 from proxy_support import AppThread, EngineProc, ProxyThread, start_engine
 
 from shared.config import ProxyConfig
@@ -31,7 +32,6 @@ from shared.redisproc import RedisProcess
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version
 
-REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from proxy_fake_engine import FakeEngine  # noqa: E402
 

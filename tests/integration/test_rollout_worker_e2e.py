@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from paths import REPO
 
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
@@ -37,7 +38,6 @@ from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTra
 from shared.streams import ensure_group
 from shared.versionbus import publish_version
 
-REPO = Path(__file__).resolve().parents[2]
 ECHO_DIR = REPO / "examples" / "agents"
 
 # A black-box agent that makes two model calls in one session and, between them, waits for the

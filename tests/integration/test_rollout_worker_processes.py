@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from paths import REPO
 from waits import wait_for
 
 from services.rollout_worker.fake_proxy import FakeProxy, serve
@@ -25,8 +26,6 @@ from shared.keys import GROUP_ROLLOUT, Keys
 from shared.redisproc import RedisProcess
 from shared.schemas import PromptGroup, RolloutGroup
 from shared.streams import ensure_group
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def solve(sid: str, msgs: list[dict[str, str]]) -> str:

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+from paths import REPO
 
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
 from shared.modeling.compat import make_loadable
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("DRESSAGE_COMPAT_CACHE", Path.home() / ".cache" / "dressage-compat"))
 TEXT = "Hello, world!\nabc"
 MESSAGES = [{"role": "user", "content": "reverse: abc"}]

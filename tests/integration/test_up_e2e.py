@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paths import REPO
 from waits import wait_for
 
 from services.ops import status
 from services.ops.metricslog import load_rows
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/test.yaml"
 
 

@@ -75,7 +75,8 @@ def test_a_password_in_redis_url_satisfies_the_policy_and_is_the_one_used() -> N
 
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "configs" / "models").glob("*.yaml")]),
+                         ids=lambda p: p.stem)
 def test_every_shipped_deployment_config_loads(path: Path) -> None:
     cfg = load_config(path, env={"REDIS_PASSWORD": "a-test-only-password"})  # gpu.yaml requires one
     assert Path(cfg.prompt_buffer.dataset).suffix == ".jsonl"

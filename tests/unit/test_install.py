@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "install-cpu-torch.sh"
 
 
