@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv demo tool-agent test test-unit test-integration test-chaos soak lint bench clean
+.PHONY: venv demo tool-agent test test-unit test-integration test-chaos soak lint bench clean images compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,7 @@ lint: venv
 	$(BIN)/mypy --config-file tests/mypy.ini tests/unit tests/conftest.py tests/rollout_factory.py tests/trainer_factory.py
 	$(BIN)/mypy --config-file tests/mypy.ini tests/integration
 	$(BIN)/mypy --config-file tests/mypy.ini tests/chaos
+	$(BIN)/mypy --config-file tests/mypy.ini tests/compose
 	@! grep -rnE --include='*.py' 'type: ignore(\[[^]]*\])? *$$' shared services tests || \
 		(echo "type: ignore without a reason (add '  # why')"; exit 1)
 
@@ -60,6 +61,18 @@ soak: venv
 	mkdir -p runs
 	CHAOS_SOAK_S=$${CHAOS_SOAK_S:-600} CHAOS_FIGURES=runs/soak-figures.jsonl \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/chaos/test_chaos_soak.py
+
+# Docker (docs/operations.md "With Docker"): `images` builds the base images when Docker Hub cannot be
+# reached (scripts/local-base-images.sh: Debian's packages, debootstrap) and the CPU image on them, and
+# writes images.env for compose. `compose-test` runs the compose tier in full: the stack built, up,
+# scaled, inspected, crashed, restarted from its volumes, `down -v` (about 20 min here; `make test` runs
+# its short preset). Exit 77 from scripts/compose-test.sh: no Docker engine can run on this machine.
+images:
+	scripts/docker-engine.sh
+	scripts/images.sh images.env
+
+compose-test: venv
+	scripts/compose-test.sh
 
 bench: venv
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -31,6 +31,8 @@ CONNECTION = "+auth +hello +ping +client|setname +client|id +select +time +scan 
 SUBSCRIBE = "+subscribe +unsubscribe +psubscribe +punsubscribe"
 STREAM_READ = "+xreadgroup +xread +xrange +xrevrange +xlen +xpending +xinfo|groups +xinfo|stream +xinfo|consumers"
 STREAM_CONSUME = f"{STREAM_READ} +xack +xautoclaim +xclaim +xgroup|create +xgroup|createconsumer +watch"
+# What shared.streams.trim_acked runs on a stream it trims (the collector's chore on prompts, rollouts, batches).
+TRIM = "+xinfo|groups +xpending +xtrim"
 KV_READ = "+get +mget +exists +type +ttl +pttl +hget +hmget +hgetall +hexists +smembers +sismember +smismember +scard"
 KV_WRITE = "+set +hset +hincrby +hincrbyfloat +sadd +srem +expire +pexpire +watch"
 
@@ -66,7 +68,7 @@ RULES: dict[str, Rule] = {
     "prompt-buffer": Rule(grants=(
         *_own("prompt-buffer"),
         (f"+xadd +xgroup|create {STREAM_READ}", ("~prompts",)),
-        (f"{KV_READ} {KV_WRITE}", ("~prompt_buffer:*",)),
+        (f"{KV_READ} {KV_WRITE} +del", ("~prompt_buffer:*",)),  # its own state (DEL: rewrites the dataset record)
         (KV_READ + " " + STREAM_READ, ("%R~weights:*", "%R~control", "%R~trainer:*", "%R~batches", "%R~stats")),
     ), channels=("weights",)),
     "rollout-worker": Rule(grants=(
@@ -77,8 +79,8 @@ RULES: dict[str, Rule] = {
     ), channels=("weights",)),
     "group-collector": Rule(grants=(
         *_own("group-collector"),
-        (STREAM_CONSUME + " +xadd +xtrim", ("~prompts", "~rollouts")),  # trims the streams it consumes
-        ("+xadd +xlen +xinfo|groups +xrange", ("~batches",)),
+        (f"{STREAM_CONSUME} +xadd {TRIM}", ("~prompts", "~rollouts")),  # trims the streams it consumes
+        (f"+xadd +xlen +xrange {TRIM}", ("~batches",)),  # and the batches the trainer acknowledged
         (f"{KV_READ} {KV_WRITE} +xadd +xtrim {STREAM_READ}", ("~collector:*",)),
         (KV_READ + " " + STREAM_READ, ("%R~weights:*", "%R~control", "%R~stats")),
     ), channels=("weights",)),

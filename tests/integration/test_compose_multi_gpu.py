@@ -11,8 +11,8 @@ from typing import Any
 
 import compose
 import pytest
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 BINARY = Path(compose.__file__).parent / "docker-compose"
 USERS = ("PROMPT_BUFFER", "ROLLOUT_WORKER", "GROUP_COLLECTOR", "TRAINER", "PROXY", "EVAL_WORKER", "OPS")
 
