@@ -64,9 +64,10 @@ soak: venv
 
 # Docker (docs/operations.md "With Docker"): `images` builds the base images when Docker Hub cannot be
 # reached (scripts/local-base-images.sh: Debian's packages, debootstrap) and the CPU image on them, and
-# writes images.env for compose. `compose-test` runs the compose tier in full: the stack built, up,
-# scaled, inspected, crashed, restarted from its volumes, `down -v` (about 20 min here; `make test` runs
-# its short preset). Exit 77 from scripts/compose-test.sh: no Docker engine can run on this machine.
+# writes images.env for compose. `compose-test` runs the compose tier, its short preset (also in `make
+# test`) then its full one: the stack built, up, scaled, inspected, crashed, restarted from its volumes,
+# `down -v` (7 min here with the images built, 12 on a bare engine). Exit 77 from scripts/compose-test.sh:
+# no Docker engine can run on this machine.
 images:
 	scripts/docker-engine.sh
 	scripts/images.sh images.env
