@@ -76,7 +76,7 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
         screen = capsys.readouterr().out
         assert re.search(r"VERSION\s+current \d+", screen), screen
         assert re.search(r"trainer\s+\S+\s+alive", screen) and re.search(r"rollout-worker\s+\S+\s+alive", screen)
-        assert re.search(r"ENGINES\s+http://127\.0\.0\.1:\d+\s+alive \(weight_version \d+\)", screen), screen
+        assert re.search(r"ENGINES\s+http://127\.0\.0\.1:\d+\s+alive \(dressage-engine, weight_version \d+\)", screen), screen
     except BaseException:
         proc.kill()
         raise
