@@ -44,6 +44,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && mkdir -p /checkpoints /app/models /app/runs && chown dressage /checkpoints /app/models /app/runs
 COPY shared ./shared
 COPY services ./services
+COPY tools ./tools
 RUN pip install --no-deps .
 COPY configs ./configs
 COPY data ./data
@@ -58,6 +59,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
+COPY tools ./tools
 # The base image's CUDA torch and transformers satisfy pyproject's ranges (they admit what SGLang
 # 0.5.9-0.5.23 ship), so pip keeps them. CUDA needs no root: the trainer runs as uid 10001 like the
 # CPU image (the SGLang engine image itself stays upstream's).

@@ -4,8 +4,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+TEST_STAMP := $(VENV)/.installed-test-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv demo tool-agent test test-unit test-integration test-chaos soak lint bench clean images compose-test
+.PHONY: venv venv-test demo tool-agent test test-unit test-integration test-chaos soak lint bench clean images compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,10 +15,16 @@ $(STAMP): pyproject.toml
 	# nvidia-* wheels). The script tries a local +cpu wheel, then the PyTorch CPU index, and falls back
 	# to a CUDA build only with a banner saying so.
 	bash scripts/install-cpu-torch.sh $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[agents]'
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
+# The test tools on top (pytest, mypy, ruff, the compose binary, the SDKs the tests drive, pyarrow).
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
 venv: $(STAMP)
+venv-test: $(TEST_STAMP)
 
 # Two bounded runs: digit reversal (learns; the batch window drops stale groups), then a multi-turn agent
 # whose episodes straddle weight updates (the window and the span cap of partial rollout both act).
@@ -31,33 +38,34 @@ tool-agent: venv
 	$(BIN)/dressage init-model --task lookup --out models/lookup-habit-tiny --warm-steps 450 --guess-share 0.5 --target-accuracy 0 --if-missing
 	$(BIN)/dressage up --config configs/tool-agent.yaml --demo
 
-# mypy: shared/ and services/ strict (pyproject.toml); tests less strict (tests/mypy.ini), one run per test
-# directory (each has its own conftest); a type: ignore in shared/, services/ or tests/ must say why after it.
-lint: venv
-	$(BIN)/ruff check shared services tests bench
-	$(BIN)/mypy shared services
+# mypy: shared/, services/ and tools/ strict (pyproject.toml); tests less strict (tests/mypy.ini), one run per
+# test directory (each has its own conftest); a type: ignore in shared/, services/, tools/ or tests/ must say
+# why after it.
+lint: venv-test
+	$(BIN)/ruff check shared services tools tests bench
+	$(BIN)/mypy shared services tools
 	$(BIN)/mypy --config-file tests/mypy.ini tests/unit tests/conftest.py tests/rollout_factory.py tests/trainer_factory.py
 	$(BIN)/mypy --config-file tests/mypy.ini tests/integration
 	$(BIN)/mypy --config-file tests/mypy.ini tests/chaos
 	$(BIN)/mypy --config-file tests/mypy.ini tests/compose
-	@! grep -rnE --include='*.py' 'type: ignore(\[[^]]*\])? *$$' shared services tests || \
+	@! grep -rnE --include='*.py' 'type: ignore(\[[^]]*\])? *$$' shared services tools tests || \
 		(echo "type: ignore without a reason (add '  # why')"; exit 1)
 
-test: venv lint
+test: venv-test lint
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider tests
 
-test-unit: venv
+test-unit: venv-test
 	$(BIN)/python -m pytest -q tests/unit
 
-test-integration: venv
+test-integration: venv-test
 	$(BIN)/python -m pytest -q tests/integration
 
-test-chaos: venv
+test-chaos: venv-test
 	$(BIN)/python -m pytest -q tests/chaos
 
 # The 10-minute chaos soak (every service faulted, Redis crashed once); `make test` runs a 20-s preset.
 # CHAOS_SEED picks the fault schedule; the figures land in runs/soak-figures.jsonl (docs/reliability.md).
-soak: venv
+soak: venv-test
 	mkdir -p runs
 	CHAOS_SOAK_S=$${CHAOS_SOAK_S:-600} CHAOS_FIGURES=runs/soak-figures.jsonl \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/chaos/test_chaos_soak.py
@@ -72,10 +80,10 @@ images:
 	scripts/docker-engine.sh
 	scripts/images.sh images.env
 
-compose-test: venv
+compose-test: venv-test
 	scripts/compose-test.sh
 
-bench: venv
+bench: venv-test
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:

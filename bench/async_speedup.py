@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.ops.experiment_report import headline  # noqa: E402
-from services.ops.experiment_spec import load_spec  # noqa: E402
+from tools.experiments.report import headline  # noqa: E402
+from tools.experiments.spec import load_spec  # noqa: E402
 
 SPEC = "configs/experiments/async-vs-sync.yaml"
 OUT = "runs/experiments"
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare(SPEC)
     cmd = [sys.executable, "-m", "services", "experiment", SPEC, "--out", OUT, "--jobs", str(args.jobs)]
     code = subprocess.call(cmd + (["--quick"] if quick else []), cwd=ROOT)
-    from services.ops.experiment_report import csv_rows
+    from tools.experiments.report import csv_rows
 
     rows = csv_rows(folder / "summary.csv") if (folder / "summary.csv").exists() else []
     print(f"results: {folder / 'results.md'}")

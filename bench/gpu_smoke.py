@@ -44,16 +44,16 @@ from trainer_factory import batch, changed_fraction  # noqa: E402
 from waits import wait_for  # noqa: E402
 
 from services.engine.runner import ModelRunner  # noqa: E402
-from services.ops.metricslog import load_rows  # noqa: E402
-from services.ops.plan import http_ok  # noqa: E402
-from services.ops.supervisor import tail_lines  # noqa: E402
-from services.ops.up import prepare_demo  # noqa: E402
 from services.trainer.learner import Learner  # noqa: E402
 from services.trainer.modeldir import ModelDirWriter  # noqa: E402
 from shared.config import TrainConfig, load_config  # noqa: E402
 from shared.modeling import load_model, load_tokenizer  # noqa: E402
 from shared.precision import Precision  # noqa: E402
 from shared.schemas import Batch  # noqa: E402
+from tools.deploy.plan import http_ok  # noqa: E402
+from tools.deploy.supervisor import tail_lines  # noqa: E402
+from tools.deploy.up import prepare_demo  # noqa: E402
+from tools.reports.metricslog import load_rows  # noqa: E402
 
 CONFIG = REPO / "configs" / "cpu-demo.yaml"
 GPU_LR = 1e-6  # configs/gpu.yaml's learning rate

@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.ops.metricslog import load_rows  # noqa: E402
-from services.ops.probes import parent_pid, process_children  # noqa: E402
-from services.ops.series import trainer_rows  # noqa: E402
+from tools.monitor.probes import parent_pid, process_children  # noqa: E402
+from tools.reports.metricslog import load_rows  # noqa: E402
+from tools.reports.series import trainer_rows  # noqa: E402
 
 POLICIES = {0: "normal", 1: "fifo", 2: "rr", 3: "batch", 5: "idle"}
 DEFAULT_SPEC = "configs/experiments/async-vs-sync.yaml"

@@ -6,7 +6,7 @@
 #   docker compose up --build ... ; docker compose down -v
 #
 # None of them has a default (docs/security.md): REDIS_PASSWORD (the Redis admin, user `default`), one
-# REDIS_PASSWORD_<SERVICE> per Redis ACL user (services/ops/acl.py; OPS is the read-only operator),
+# REDIS_PASSWORD_<SERVICE> per Redis ACL user (tools/deploy/acl.py; OPS is the read-only operator),
 # PROXY_API_KEY (agents), PROXY_OPERATOR_KEY (operator routes), ENGINE_API_KEY (the engines' bearer).
 # With COMPOSE_ENV_FILES every compose command reads them, `down -v` included. Keep the file out of
 # version control (.gitignore has secrets.env) and out of images (.dockerignore).

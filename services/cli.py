@@ -18,14 +18,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "window-controller": ("services.window_controller.main", "adaptive keep_versions via {p}:control"),
     "trainer": ("services.trainer.main", "GRPO trainer publishing weight versions"),
     "eval-worker": ("services.eval_worker.main", "rq worker running evaluation jobs"),
-    "up": ("services.ops.up", "run every service locally (private Redis if REDIS_URL is unset)"),
-    "status": ("services.ops.status", "one screen: streams, groups, versions, window, liveness"),
-    "report": ("services.ops.report", "plots and summary of a run"),
-    "replay": ("services.ops.replay", "the collector's window decisions of a run, recomputed for another window"),
-    "experiment": ("services.ops.experiment", "variants x seeds of a spec as bounded runs, with a report"),
-    "init-model": ("services.ops.init_model", "build a tiny HF model (+ warm start) for a task"),
-    "make-data": ("services.ops.make_data", "generate the built-in task datasets"),
-    "check-data": ("services.ops.check_data", "load a task and read a dataset as the prompt-buffer will"),
+    "up": ("tools.deploy.up", "run every service locally (private Redis if REDIS_URL is unset)"),
+    "status": ("tools.monitor.status", "one screen: streams, groups, versions, window, liveness"),
+    "report": ("tools.reports.report", "plots and summary of a run"),
+    "replay": ("tools.reports.replay", "the collector's window decisions of a run, recomputed for another window"),
+    "experiment": ("tools.experiments.harness", "variants x seeds of a spec as bounded runs, with a report"),
+    "init-model": ("tools.dev.init_model", "build a tiny HF model (+ warm start) for a task"),
+    "make-data": ("tools.dev.make_data", "generate the built-in task datasets"),
+    "check-data": ("tools.dev.check_data", "load a task and read a dataset as the prompt-buffer will"),
 }
 
 

@@ -4,7 +4,7 @@ Invariant: phases never overlap and never nest, so the seconds of all phases plu
 (time outside every phase: logging, metric reports, bookkeeping) equal the wall-clock since
 ``start`` exactly. A loop wraps each part of its iteration in ``with clock.phase("wait"):``;
 ``snapshot()`` returns the cumulative seconds, which the trainer reports with every step as
-``time/<phase>_s`` plus ``time/wall_s`` (``services.ops.timing`` turns them into fractions).
+``time/<phase>_s`` plus ``time/wall_s`` (``tools.reports.timing`` turns them into fractions).
 The clock is injectable, so the arithmetic is tested without sleeping.
 """
 

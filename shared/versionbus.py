@@ -24,49 +24,9 @@ from shared.redisconn import is_cluster_client
 from shared.retry import Backoff
 from shared.schemas import WeightVersion
 from shared.streams import next_id
+from shared.versions import version_newer
 
 log = logging.getLogger(__name__)
-
-
-# --- version ordering: the one place that says how labels compare -------------------------------
-# The trainer publishes "0", "1", ...: such labels are numbers and compare as numbers. A foreign
-# label (a string the trainer never writes) has no number; it is ordered by its place in the
-# publication log where an order is needed, and any different label counts as newer on the bus.
-
-
-def version_number(label: str) -> int | None:
-    """The number an integer label stands for ("3" -> 3), None for any other label."""
-    try:
-        return int(label)
-    except ValueError:
-        return None
-
-
-def version_newer(a: str, b: str | None) -> bool:
-    """Is version ``a`` newer than ``b``? Integers compare numerically; other labels by inequality."""
-    if b is None:
-        return True
-    na, nb = version_number(a), version_number(b)
-    if na is None or nb is None:
-        return a != b
-    return na > nb
-
-
-def version_index(latest: str | None, log_length: int) -> int | None:
-    """Index of the newest published version: its number for an integer label, else its position in
-    a log of ``log_length`` entries; None before any publication (or for a negative number)."""
-    if latest is None:
-        return None
-    value = version_number(latest)
-    if value is None:
-        return log_length - 1 if log_length > 0 else None
-    return value if value >= 0 else None
-
-
-def versions_behind(current: int, label: str) -> int | None:
-    """How many versions ``label`` is behind version number ``current``; None for a foreign label."""
-    n = version_number(label)
-    return None if n is None else current - n
 
 
 def parse_version(raw: Any) -> WeightVersion | None:

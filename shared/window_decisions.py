@@ -9,7 +9,7 @@ nothing is outside. ``shared.staleness.StalenessTracker.should_drop_group`` deci
 A :class:`DecisionRecord` is what the collector appends to ``{p}:collector:decisions`` after each
 committed outcome of a group attempt (docs/streams.md): the group's end versions, their gaps at the
 moment of the decision, the window in force, the decision and its reason, and each trajectory's
-response length and reward (whom a window drops: ``services.ops.dropbias``). Fields added later have
+response length and reward (whom a window drops: ``tools.reports.dropbias``). Fields added later have
 defaults, so records written before them still load. Invariant checked by
 :func:`replay`: for every record the window made (``window_decided``), ``outside_window(gaps,
 keep_versions)`` is True exactly when the recorded decision is ``dropped`` -- so replaying a run

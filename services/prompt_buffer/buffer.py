@@ -43,7 +43,8 @@ from shared.lifecycle import StopFlag
 from shared.streams import ensure_group
 from shared.tasks.dataset import ScannedDataset
 from shared.telemetry import Heartbeat, MetricGauges, report_metrics
-from shared.versionbus import VersionWatcher, parse_version, version_index
+from shared.versionbus import VersionWatcher, parse_version
+from shared.versions import version_index
 
 log = logging.getLogger(__name__)
 SERVICE = "prompt-buffer"

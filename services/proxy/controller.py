@@ -67,8 +67,8 @@ from services.proxy.errors import (
     UpstreamUnavailable,
 )
 from services.proxy.metrics import ProxyMetrics
-from shared.staleness import check_version_span, ordered_real_versions, real_version
-from shared.versionbus import version_newer
+from shared.staleness import check_version_span, ordered_real_versions
+from shared.versions import real_version, version_newer
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from services.proxy.auth import OPEN, Principal
 from services.proxy.errors import InvalidRequest, OverCapacity, SessionConflict, SessionNotFound
 from shared.schemas import Sample
 from shared.staleness import (
-    CONTEXT_VERSION,
     normalize_token_versions,
     ordered_real_versions,
     sample_version_fields,
 )
+from shared.versions import CONTEXT_VERSION
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,255}")  # matched whole (fullmatch)
 

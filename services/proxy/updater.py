@@ -34,7 +34,7 @@ from services.proxy.engine_client import EngineClient
 from services.proxy.errors import ProxyError
 from services.proxy.metrics import ProxyMetrics
 from shared.schemas import WeightVersion
-from shared.versionbus import version_newer
+from shared.versions import version_newer
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from services.trainer.loss import sample_advantages, train_masks, trajectory_rew
 from shared.errors import DressageError
 from shared.schemas import Batch, RolloutGroup
 from shared.staleness import trajectory_version_infos, trajectory_version_span
-from shared.versionbus import versions_behind
+from shared.versions import versions_behind
 
 
 class InvalidBatch(DressageError):

@@ -19,7 +19,7 @@ Invariants (docs/architecture.md#weight-versions and #delivery, docs/trainer.md)
   is nothing to train, and a pipeline whose pacing waits for acknowledged groups cannot stall on it
   (a short wait between two batches does not trigger it); a graceful stop does the same;
 * the same MULTI/EXEC appends ``{p}:trainer:trained`` (``batch_ids``, ``group_ids``, ``step``,
-  ``version``): the record the history checker (``services.ops.history``) counts trained groups from;
+  ``version``): the record the history checker (tests/chaos/history.py) counts trained groups from;
 * a poison entry (undecodable, or a batch this model cannot train on) goes to ``{p}:dead`` with its
   original bytes in the same MULTI as its XACK, and the loop goes on;
 * on a Redis error the loop backs off (bounded), then re-syncs exactly as a restart would:
@@ -55,7 +55,7 @@ from services.trainer.checkpoint import CheckpointInfo, CheckpointStore, rng_sta
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
 from services.trainer.modeldir import ModelDirWriter
-from services.trainer.resume import ResumePlan, trusted_published, version_index
+from services.trainer.resume import ResumePlan, trusted_published
 from services.trainer.sinks import MetricSinks
 from shared import stats
 from shared.codec import decode_entry, entry_ids
@@ -71,6 +71,7 @@ from shared.schemas import Batch, WeightVersion
 from shared.streams import Entry, GroupReader, ensure_group, reclaim
 from shared.telemetry import Heartbeat, report_metrics
 from shared.versionbus import publish_version, read_latest
+from shared.versions import trainer_number
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class TrainerLoop:
         """Publish the newest complete checkpoint if the version bus is behind it."""
         newest = self.store.newest()
         latest = self._own_latest()
-        if newest is not None and (latest is None or version_index(latest.version) < newest.version):
+        if newest is not None and (latest is None or trainer_number(latest.version) < newest.version):
             log.info("announcing complete checkpoint version=%d (the version bus is behind it)", newest.version)
             self._publish(newest)
 
@@ -433,7 +434,7 @@ class TrainerLoop:
         pipe.xack(self.keys.batches, GROUP_TRAINER, *[eid for eid, _ in held])
         pipe.hincrby(self.stats, stats.BATCHES_TRAINED, len(held))
         pipe.hincrby(self.stats, stats.GROUPS_TRAINED, sum(len(b.groups) for _, b in held))
-        # The record of what was trained, in the same MULTI as the XACK (read by services.ops.history).
+        # The record of what was trained, in the same MULTI as the XACK (read by tests/chaos/history.py).
         pipe.xadd(self.trained_key, {"batch_ids": ",".join(b.batch_id for _, b in held),
                                      "group_ids": json.dumps([g.group_id for _, b in held for g in b.groups]),
                                      "step": str(self.learner.step if step is None else step),

@@ -33,24 +33,10 @@ from pathlib import Path
 
 from services.trainer.checkpoint import CheckpointInfo, dir_name
 from shared.edge import within
-from shared.errors import DressageError
 from shared.schemas import WeightVersion
-from shared.versionbus import version_number
+from shared.versions import trainer_number, version_number
 
 log = logging.getLogger(__name__)
-
-
-class VersionFormatError(DressageError):
-    """The published version is not an integer string, so the trainer cannot continue its numbering."""
-
-
-def version_index(version: str) -> int:
-    """The number of a published version the trainer can continue from (it publishes "0", "1", ...)."""
-    number = version_number(version)
-    if number is None:
-        raise VersionFormatError(f"weights:latest version {version!r} is not an integer; the trainer "
-                                 "publishes \"0\", \"1\", ... and cannot continue after a foreign label")
-    return number
 
 
 def trusted_published(published: WeightVersion | None, checkpoint_dir: str | Path) -> WeightVersion | None:
@@ -84,7 +70,7 @@ def plan_resume(newest: CheckpointInfo | None, published: WeightVersion | None, 
     ``published_complete`` says whether the published version's directory is a complete model
     (only consulted when there is no checkpoint of our own).
     """
-    p = version_index(published.version) if published is not None else None
+    p = trainer_number(published.version) if published is not None else None
     if newest is None:
         if p is None:
             return ResumePlan(model_path, None, -1, write_initial=True, publish=None)

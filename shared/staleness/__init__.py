@@ -10,7 +10,6 @@ Every name below is public; nothing here does I/O.
 
 from shared.errors import InvalidSample
 from shared.staleness.versions import (
-    CONTEXT_VERSION,
     Samples,
     SpanCheck,
     TrajectoryVersionInfo,
@@ -19,7 +18,6 @@ from shared.staleness.versions import (
     mask_nonlast_version_tokens,
     normalize_token_versions,
     ordered_real_versions,
-    real_version,
     sample_version_fields,
     trajectory_version_infos,
     trajectory_version_span,
@@ -34,7 +32,6 @@ from shared.staleness.window import (
 )
 
 __all__ = [
-    "CONTEXT_VERSION",
     "InvalidSample",
     "Samples",
     "SpanCheck",
@@ -49,7 +46,6 @@ __all__ = [
     "mask_nonlast_version_tokens",
     "normalize_token_versions",
     "ordered_real_versions",
-    "real_version",
     "sample_version_fields",
     "trajectory_version_infos",
     "trajectory_version_span",

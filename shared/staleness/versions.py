@@ -3,9 +3,8 @@
 Pure functions over plain values and the wire models (``shared.schemas.Sample`` / ``RolloutGroup``),
 shared by the proxy (sample construction, span check), the collector (window) and the trainer (mask).
 
-One normalisation everywhere: a version is *real* unless it is None or, stripped and lower-cased,
-one of ``""``, ``"-1"``, ``"unknown"``, ``"none"``; a real version's label is its stripped string.
-So ``" v1 "`` and ``"v1"`` are the same version in every function here.
+One normalisation everywhere, ``shared.versions.real_version``: so ``" v1 "`` and ``"v1"`` are the
+same version in every function here.
 """
 
 from __future__ import annotations
@@ -17,22 +16,13 @@ from typing import Any, NamedTuple
 from shared.codes import STALENESS_EXCEEDED
 from shared.errors import InvalidSample
 from shared.schemas import RolloutGroup, Sample
+from shared.versions import CONTEXT_VERSION, real_version
 
 Samples = RolloutGroup | Sequence[Sample]  # a group, or its samples
 
-CONTEXT_VERSION = "-1"  # label of tokens no weight version produced (prompt, tool output, feedback)
-NON_REAL_LABELS = frozenset({"", "-1", "unknown", "none"})
 SPAN_EXCEEDED_MESSAGE = (
     "Partial rollout model version span exceeded limit; rejecting the trajectory instead of continuing it."
 )
-
-
-def real_version(v: object) -> str | None:
-    """The stripped label of a real version, or None (``None``, ``""``, ``-1``, ``unknown``, ``none``)."""
-    if v is None:
-        return None
-    s = str(v).strip()
-    return None if s.lower() in NON_REAL_LABELS else s
 
 
 def normalize_token_versions(versions: Iterable[object]) -> list[str]:

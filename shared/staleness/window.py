@@ -42,7 +42,8 @@ from typing import Literal
 
 from shared.errors import ConfigError
 from shared.schemas import RolloutGroup
-from shared.staleness.versions import Samples, real_version, trajectory_version_infos, trajectory_version_span
+from shared.staleness.versions import Samples, trajectory_version_infos, trajectory_version_span
+from shared.versions import real_version
 from shared.window_decisions import outside_window
 
 log = logging.getLogger(__name__)

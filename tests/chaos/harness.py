@@ -4,7 +4,7 @@
 same directory on restart), a YAML config (``configs/test.yaml`` + chaos overrides: unique prefix,
 free ports, tiny model, small dataset, stream trimming off), service processes started with
 ``python -m services.cli <service> --config FILE`` and logging to files, signals (SIGKILL, SIGSTOP,
-SIGCONT, SIGTERM), and a ``Recorder`` thread that tails the streams into a ``services.ops.history.History``
+SIGCONT, SIGTERM), and a ``Recorder`` thread that tails the streams into a ``history.History`` (history.py)
 so the history outlives Redis itself (a restart without AOF cannot hide what it lost).
 
 Waiting is always polling a condition in Redis or over HTTP (``wait_until``), never a fixed sleep.
@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 import redis
 import yaml
+from history import History, collect, poll
 from paths import REPO
 from waits import wait_for
 
-from services.ops.history import History, collect, poll
 from shared.config import merge_layers
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.modeling import ModelSpec, ensure_model

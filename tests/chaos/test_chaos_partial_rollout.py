@@ -15,7 +15,7 @@ from harness import Cluster
 
 from shared.codec import decode_entry
 from shared.schemas import RolloutGroup
-from shared.staleness import real_version
+from shared.versions import real_version
 
 
 def test_trajectories_spanning_weight_updates_record_every_tokens_version_and_nothing_is_lost_or_doubled(

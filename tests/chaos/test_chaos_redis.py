@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import redis
 from harness import Cluster, wait_until
+from history import stream_names
 
-from services.ops.history import stream_names
 from services.rollout_worker.fake_proxy import FakeProxy, serve
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version

@@ -3,7 +3,7 @@
 * Every service logs in with ``REDIS_PASSWORD``; a wrong or missing one stops it at once (exit 2)
   with a message naming the setting — never a reconnect loop, never the secret itself.
 * ``redis.require_password`` refuses empty and well-known default passwords.
-* ``services.ops.acl`` (the one ACL definition): the whole pipeline, evaluation included (the
+* ``tools.deploy.acl`` (the one ACL definition): the whole pipeline, evaluation included (the
   trainer's enqueue, the eval-worker's job), runs under one ACL user per service without a single denial, while every forbidden write of issue 16 is refused (the weight key
   by anyone but the trainer; the rollout worker's SET/DEL/XTRIM/EVAL on prompts, the collector's group),
   and the worker can do its own XREADGROUP/XADD/XACK.
@@ -24,12 +24,12 @@ import redis
 from harness import Cluster, wait_until
 from rollout_factory import prompt_group
 
-from services.ops import acl as ops_acl
 from shared import codec
 from shared.codec import decode_entry, encode_entry
 from shared.config import DEV_PASSWORDS, load_config
 from shared.errors import ConfigError, MalformedEntry
 from shared.schemas import PromptGroup
+from tools.deploy import acl as ops_acl
 
 SERVICES = ("prompt-buffer", "rollout-worker", "group-collector", "trainer", "proxy", "eval-worker")
 
@@ -80,7 +80,7 @@ EVAL_EVERY = 2  # the trainer queues an evaluation every 2 versions; the eval-wo
 
 
 def acl_file(users: dict[str, str], out: Path) -> Path:
-    """The ACL file from ``services.ops.acl`` (the one definition), with an unrestricted password-less
+    """The ACL file from ``tools.deploy.acl`` (the one definition), with an unrestricted password-less
     default user for the test harness (loopback only)."""
     text = ops_acl.render("dressage", users)
     out.write_text(text.replace("user default off resetkeys resetchannels -@all", "user default on nopass ~* &* +@all"))

@@ -37,11 +37,11 @@ import pytest
 import redis
 from harness import ChaosDriver, Cluster, Fault, record_figures, wait_until
 
-from services.ops.twosample import cluster_means, ks_statistic, mann_whitney
 from services.prompt_buffer.schedule import Cursor, Schedule, group_id
 from shared.config import load_config
 from shared.tasks.dataset import load_dataset
 from shared.versionbus import read_latest
+from tools.reports.twosample import cluster_means, ks_statistic, mann_whitney
 
 SOAK_S = float(os.environ.get("CHAOS_SOAK_S", "20"))
 ROWS = 1000  # dataset rows (data/reverse/train.jsonl has 2,000)

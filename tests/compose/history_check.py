@@ -1,7 +1,7 @@
 """Runs inside the compose network (``docker compose run status``: Redis user `ops`, read-only), mounted
-by the tier: ``python /history_check.py CONFIG``.
+at / by the tier with tests/chaos/history.py beside it as /history.py: ``python /history_check.py CONFIG``.
 
-Feeds every entry of the streams into services.ops.history (the chaos tests' checker: every group
+Feeds every entry of the streams into tests/chaos/history.py (the chaos tests' checker: every group
 trained once or dead-lettered, in at most one batch, within its attempts) and checks that the
 prompt-buffer emitted exactly its schedule's prefix, in order: no prompt skipped, none emitted twice,
 the stored cursor not past them. Prints one JSON object; exit 0 when both hold. The streams must be
@@ -14,7 +14,8 @@ import json
 import sys
 from typing import Any
 
-from services.ops.history import collect
+from history import collect
+
 from services.prompt_buffer.schedule import Cursor, Schedule
 from shared.config import DressageConfig, load_config
 from shared.keys import Keys

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from paths import REPO
 
-from services.ops.intervals import mean_interval
-from services.ops.metricslog import load_rows
+from tools.reports.intervals import mean_interval
+from tools.reports.metricslog import load_rows
 
 GUIDES = ("your-task.md", "your-dataset.md", "your-model.md", "your-agent.md")  # the order a user follows
 MODEL_ID = "dressage-examples/shop-tiny"

@@ -11,8 +11,6 @@ from rollout_factory import rollout_group
 
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
-from services.ops import replay as replay_cli
-from services.ops.decisionlog import DecisionFile, load_records, read_stream
 from shared.codec import encode_entry
 from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys
@@ -20,6 +18,8 @@ from shared.schemas import RolloutGroup, WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
 from shared.versionbus import publish_version
 from shared.window_decisions import replay
+from tools.reports import replay as replay_cli
+from tools.reports.decisionlog import DecisionFile, load_records, read_stream
 
 
 def run_collector(r: redis.Redis, keys: Keys, keep: int) -> None:

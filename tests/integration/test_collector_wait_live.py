@@ -10,13 +10,13 @@ from rollout_factory import rollout_group
 
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
-from services.ops.decisionlog import read_stream
 from shared.codec import decode_entry, encode_entry
 from shared.config import CollectorConfig, StalenessSection
 from shared.keys import Keys
 from shared.schemas import Batch, WeightVersion
 from shared.staleness import StalenessGroupFilter, StalenessTracker, config_from_value
 from shared.versionbus import publish_version
+from tools.reports.decisionlog import read_stream
 
 GROUPS: list[tuple[str, list[str | None]]] = [("A", ["4"]), ("B", ["0"]), ("C", ["1", "4"]), ("D", ["3"])]
 

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from paths import REPO
 
-from services.ops.decisionlog import load_records
-from services.ops.experiment import main as experiment_main
-from services.ops.experiment_spec import load_spec
-from services.ops.replay import main as replay_main
+from tools.experiments.harness import main as experiment_main
+from tools.experiments.spec import load_spec
+from tools.reports.decisionlog import load_records
+from tools.reports.replay import main as replay_main
 
 SPECS = ["window", "span", "adaptive", "offpolicy"]
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_up_e2e import CONFIG, REPO  # model_dir is a fixture of tests/integration/conftest.py
 from waits import wait_for
 
-from services.ops.metricslog import load_rows
 from shared.telemetry import local_replica, prometheus_port
+from tools.reports.metricslog import load_rows
 
 pytestmark = pytest.mark.slow
 

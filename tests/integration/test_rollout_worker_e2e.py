@@ -34,9 +34,10 @@ from shared.keys import GROUP_ROLLOUT, Keys
 from shared.modeling import ensure_model
 from shared.redisproc import RedisProcess, free_port
 from shared.schemas import DeadLetter, PromptGroup, RolloutGroup, WeightVersion
-from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker, real_version
+from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
 from shared.streams import ensure_group
 from shared.versionbus import publish_version
+from shared.versions import real_version
 
 ECHO_DIR = REPO / "examples" / "agents"
 

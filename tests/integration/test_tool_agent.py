@@ -27,13 +27,13 @@ import uvicorn
 from paths import REPO
 from proxy_support import ProxyThread, free_port
 
-from services.ops import series
-from services.ops.experiment_spec import load_spec
-from services.ops.metricslog import load_rows
 from shared.config import ProxyConfig
 from shared.modeling.tokenizer import build_tokenizer, save_tokenizer
 from shared.tasks import get_task
 from shared.tasks.lookup import lookup_value, tool_call_text
+from tools.experiments.spec import load_spec
+from tools.reports import series
+from tools.reports.metricslog import load_rows
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from proxy_fake_engine import FakeEngine  # noqa: E402

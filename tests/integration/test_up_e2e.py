@@ -21,8 +21,8 @@ import pytest
 from paths import REPO
 from waits import wait_for
 
-from services.ops import status
-from services.ops.metricslog import load_rows
+from tools.monitor import status
+from tools.reports.metricslog import load_rows
 
 CONFIG = "configs/test.yaml"
 

@@ -11,7 +11,8 @@ from shared.errors import VersionRegression
 from shared.keys import Keys
 from shared.redisproc import RedisProcess
 from shared.schemas import WeightVersion
-from shared.versionbus import VersionWatcher, publish_version, published_versions, read_latest, version_newer
+from shared.versionbus import VersionWatcher, publish_version, published_versions, read_latest
+from shared.versions import version_newer
 
 
 def wv(v: int) -> WeightVersion:

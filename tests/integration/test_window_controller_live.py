@@ -10,7 +10,6 @@ from rollout_factory import rollout_group
 
 from services.group_collector.collector import GroupCollector
 from services.group_collector.core import CollectorCore
-from services.ops.plan import RunChoices, build_plan
 from services.window_controller.loop import WindowController
 from shared.codec import encode_entry
 from shared.config import CollectorConfig, StalenessSection, WindowControllerConfig, load_config
@@ -19,6 +18,7 @@ from shared.schemas import WeightVersion
 from shared.staleness import StalenessConfig, StalenessGroupFilter, StalenessTracker
 from shared.telemetry import report_metrics
 from shared.versionbus import publish_version
+from tools.deploy.plan import RunChoices, build_plan
 
 
 def test_a_tightened_window_reaches_the_collector_and_drops_the_groups_now_outside(

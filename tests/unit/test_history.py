@@ -1,19 +1,25 @@
-"""History checker on fakeredis: each violation it claims to detect is detected, a clean run passes."""
+"""History checker on fakeredis: each violation it claims to detect is detected, a clean run passes.
+
+The checker lives beside the chaos tests that use it (tests/chaos/history.py)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import fakeredis
 import pytest
+from paths import REPO
 from rollout_factory import prompt_group, rollout_group
 
-from services.ops import history
-from services.ops.history import History, collect, poll
 from shared.codec import encode_entry
 from shared.keys import GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.schemas import Batch, Window
 from shared.streams import dead_letter_fields, ensure_group
+
+sys.path.insert(0, str(REPO / "tests" / "chaos"))
+import history  # noqa: E402
+from history import History, collect, poll  # noqa: E402
 
 K = Keys("h")
 TRAINED = K.trainer_trained

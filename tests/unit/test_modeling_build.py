@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.ops.init_model import main
 from shared.modeling import (
     ModelSpec,
     WarmStartOptions,
@@ -25,6 +24,7 @@ from shared.modeling.build import ModelDirExists
 from shared.modeling.warmstart import demonstration_examples, guessed, warm_start_model
 from shared.tasks import get_task
 from shared.tasks.lookup import LookupTask
+from tools.dev.init_model import main
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.prompt_buffer.pacing import PacingInputs, PacingPolicy, groups_per_version
-from shared.versionbus import version_index
+from shared.versions import version_index
 
 
 def state(v: int | None, produced: int = 0, trained: int = 0, dead: int = 0) -> PacingInputs:

@@ -13,10 +13,10 @@ from shared.staleness import (
     StalenessGroupFilter,
     StalenessTracker,
     mask_nonlast_version_tokens,
-    real_version,
     trajectory_version_infos,
     version_spans,
 )
+from shared.versions import real_version
 
 LABELS = st.sampled_from(["0", "1", "2", "3", "4", "5", " 2 ", "-1", "unknown", "", None])
 SAMPLE = st.builds(

@@ -13,12 +13,12 @@ from shared.staleness import (
     mask_nonlast_version_tokens,
     normalize_token_versions,
     ordered_real_versions,
-    real_version,
     sample_version_fields,
     trajectory_version_infos,
     trajectory_version_span,
     version_spans,
 )
+from shared.versions import real_version
 
 
 @pytest.mark.parametrize(

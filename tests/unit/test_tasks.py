@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-from services.ops.make_data import main as make_data_main
-from services.ops.make_data import split_rows
 from shared.errors import DressageError, UnknownTask
 from shared.tasks import (
     TASK_NAMES,
@@ -23,6 +21,8 @@ from shared.tasks import (
     write_dataset,
 )
 from shared.tasks.guess import parse_guess
+from tools.dev.make_data import main as make_data_main
+from tools.dev.make_data import split_rows
 
 VOCAB = set(string.printable[:95]) | {"\n"}  # printable ASCII 32..126 and newline
 GUESS_REF = {"low": 20, "high": 34, "secret": 30}

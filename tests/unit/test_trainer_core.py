@@ -22,10 +22,11 @@ from services.trainer.batching import (
 from services.trainer.checkpoint import CheckpointInfo
 from services.trainer.faults import parse_faults
 from services.trainer.learner import Learner
-from services.trainer.resume import VersionFormatError, plan_resume
+from services.trainer.resume import plan_resume
 from shared.config import TrainConfig
 from shared.modeling import build_model
 from shared.schemas import RolloutGroup, WeightVersion
+from shared.versions import VersionFormatError
 
 torch.set_num_threads(1)
 

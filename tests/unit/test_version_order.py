@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.versionbus import version_index, version_newer, version_number, versions_behind
+from shared.versions import version_index, version_newer, version_number, versions_behind
 
 
 def test_integer_labels_are_numbers_and_foreign_labels_are_not() -> None:
