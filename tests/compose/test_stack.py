@@ -11,11 +11,13 @@ import time
 import pytest
 from compose_stack import FULL, PREFIX, REPO, TIER, Stack, doc_redis_commands, wait_for
 
-from services.ops.status import SERVICES
+from tools.monitor.status import SERVICES
 
 pytestmark = pytest.mark.timeout(3600)
 CONFIG = "configs/cpu-demo.yaml"  # docker-compose.yml's default DRESSAGE_CONFIG
-CHECK = ["-v", f"{REPO / 'tests/compose/history_check.py'}:/history_check.py:ro", "--entrypoint", "python"]
+# The checker and the chaos tests' history module it imports, side by side at / in the `status` container
+CHECK = ["-v", f"{REPO / 'tests/compose/history_check.py'}:/history_check.py:ro",
+         "-v", f"{REPO / 'tests/chaos/history.py'}:/history.py:ro", "--entrypoint", "python"]
 
 # The full tier's override: the trainer outlasts every check (the demo stops at 60 steps), and the
 # collector keeps every stream entry, so that the history checker sees each group's whole life (a group
@@ -37,7 +39,7 @@ def test_up_builds_and_trains_to_a_published_version(stack: Stack) -> None:
         override = stack.workdir / "full-tier.yml"
         override.write_text(FULL_OVERRIDE)
         stack.files.append(str(override))
-    stack.timed("up --build", "up", "-d", "--build")
+    stack.timed("up --build", "docker compose up --build", "-d")
     t0 = time.monotonic()
     version = stack.wait_version(above=0)
     stack.timings["first version"] = time.monotonic() - t0
@@ -64,6 +66,12 @@ def test_status_as_the_ops_user_shows_the_engine_alive(stack: Stack) -> None:
     assert re.search(r"ENGINES\s+http://engine:30000\s+alive", screen), screen
 
 
+def test_redis_cli_as_the_ops_user_as_the_doc_writes_it(stack: Stack) -> None:
+    out = stack.documented("docker compose exec -e REDISCLI_AUTH redis redis-cli --user ops XLEN dressage:prompts",
+                           extra_env={"REDISCLI_AUTH": stack.secrets["REDIS_PASSWORD_OPS"]}, timeout=60)
+    assert out.stdout.strip().isdigit() and int(out.stdout) > 0, out.stdout
+
+
 def test_no_service_restarted(stack: Stack) -> None:
     restarted = {}
     for service in ("redis", "engine", "proxy", "prompt-buffer", "rollout-worker", "group-collector", "trainer",
@@ -77,7 +85,7 @@ def test_no_service_restarted(stack: Stack) -> None:
 
 @FULL
 def test_scale_adds_consumers_to_the_rollout_group(stack: Stack) -> None:
-    stack.timed("scale", "up", "-d", "--scale", "rollout-worker=3")
+    stack.timed("scale", "docker compose up -d --scale rollout-worker=3")
     assert len(stack.containers("rollout-worker")) == 3
 
     def active_consumers() -> int:
@@ -172,10 +180,10 @@ def test_a_crashed_service_comes_back_and_training_resumes(stack: Stack, service
 @FULL
 def test_compose_kill_is_an_operator_stop_and_up_brings_the_service_back(stack: Stack) -> None:
     (container,) = stack.containers("eval-worker")
-    stack.compose("kill", "eval-worker", timeout=60)
+    stack.documented("docker compose kill", "eval-worker", timeout=60)
     time.sleep(10)
     assert not stack.inspect(container)["State"]["Running"]  # Docker restarts no container an operator killed
-    stack.compose("up", "-d", "eval-worker", timeout=300)
+    stack.documented("docker compose up -d", "eval-worker", timeout=300)
     assert wait_for("eval-worker running again", lambda: stack.inspect(container)["State"]["Running"], 120)
 
 
@@ -197,9 +205,9 @@ def history_check(stack: Stack) -> dict[str, object]:
 @FULL
 def test_down_then_up_resumes_from_the_volumes(stack: Stack) -> None:
     before = stack.latest_version()
-    stack.timed("down", "down")
+    stack.timed("down", "docker compose down")
     assert not stack.containers("trainer", all_states=True)
-    stack.timed("up again", "up", "-d", "--scale", "rollout-worker=3")
+    stack.timed("up again", "docker compose up -d")
     after = stack.wait_version(above=before + 1)
     versions = stack.published_versions()
     assert versions == sorted(set(versions)) and versions[-1] >= after > before, versions[-20:]

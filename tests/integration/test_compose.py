@@ -60,10 +60,12 @@ def test_binary_is_real_compose_v2() -> None:
     assert out.returncode == 0 and "v2." in out.stdout
 
 
-@pytest.mark.parametrize("profile", [(), ("--profile", "gpu")])
-def test_config_quiet_is_valid(profile: tuple[str, ...]) -> None:
-    out = run_compose(*profile, "config", "--quiet")
+# As docs/operations.md and docs/gpu.md write them (tests/unit/test_compose_docs.py).
+@pytest.mark.parametrize("command", ["docker compose config --quiet", "docker compose --profile gpu config"])
+def test_the_documented_config_commands_succeed(command: str) -> None:
+    out = run_compose(*command.split()[2:])
     assert out.returncode == 0, out.stderr
+    assert "--quiet" in command or "trainer-gpu" in out.stdout
 
 
 def test_an_invalid_file_is_detected(tmp_path: Path) -> None:
@@ -119,7 +121,7 @@ def test_every_long_running_service_has_healthcheck_and_grace(cpu: dict[str, Any
     assert "/health" in " ".join(services["engine"]["healthcheck"]["test"])
     assert "/health" in " ".join(services["proxy"]["healthcheck"]["test"])
     for name in ("prompt-buffer", "rollout-worker", "group-collector", "trainer", "eval-worker"):
-        assert "services.ops.health" in services[name]["healthcheck"]["test"], name
+        assert "tools.monitor.health" in services[name]["healthcheck"]["test"], name
 
 
 def test_dependencies_wait_for_health(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
