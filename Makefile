@@ -80,7 +80,7 @@ soak: venv-test
 # reached (scripts/local-base-images.sh: Debian's packages, debootstrap) and the CPU image on them, and
 # writes images.env for compose. `compose-test` runs the compose tier, its short preset (also in `make
 # test`) then its full one: the stack built, up, scaled, inspected, crashed, restarted from its volumes,
-# `down -v` (7 min here with the images built, 12 on a bare engine). Exit 77 from scripts/compose-test.sh:
+# `down -v` (4 min here with the images built, about 10 on a bare engine). Exit 77 from scripts/compose-test.sh:
 # no Docker engine can run on this machine.
 images:
 	scripts/docker-engine.sh
