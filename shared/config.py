@@ -328,6 +328,9 @@ class TrainConfig(Section):
     # decoupled: cap on the behaviour importance weight; any loss: the threshold train/behaviour_weight_truncated_frac
     # counts against (tis_cap instead when that is set)
     behaviour_weight_cap: float = Field(default=5.0, ge=1.0, le=10_000)
+    # What a behaviour weight above the cap becomes (decoupled, or tis_cap): truncate: the cap (TIS, slime);
+    # mask: 0, the token gets no loss (AReaL's filter: "tokens where behav_imp_weight exceeds the cap")
+    behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
     # Optimizer steps per batch: its rows dealt to this many minibatches, each one optimizer step (and one lr
     # schedule step), every epoch; still one published version per batch. 1 and 1: one optimizer step per batch
     minibatches_per_batch: int = Field(default=1, ge=1, le=1024)

@@ -125,7 +125,8 @@ class Learner:
         self.loss_cfg = LossConfig(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, tis_cap=cfg.tis_cap,
                                    kl_coef=cfg.kl_coef, naive=cfg.policy_loss == "naive",
                                    decoupled=cfg.policy_loss == "decoupled",
-                                   behaviour_weight_cap=cfg.behaviour_weight_cap)
+                                   behaviour_weight_cap=cfg.behaviour_weight_cap,
+                                   behaviour_weight_mode=cfg.behaviour_weight_mode)
         # the cap train/behaviour_weight_truncated_frac counts against: the loss's own, else behaviour_weight_cap
         self.diagnostic_cap = self.loss_cfg.weight_cap or cfg.behaviour_weight_cap
         self.weighted = cfg.staleness_weight != "off"  # soft staleness weights (loss.staleness_weight)

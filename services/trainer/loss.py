@@ -179,6 +179,8 @@ class LossConfig:
     naive: bool = False  # no clipping, no behaviour-policy correction (train.policy_loss = "naive")
     decoupled: bool = False  # ratio to the proximal policy, truncated behaviour weight (train.policy_loss = "decoupled")
     behaviour_weight_cap: float = 5.0  # the decoupled loss's cap on exp(proximal_logp - rollout_logp)
+    # truncate: a weight above the cap counts as the cap (TIS); mask: its token gets no loss (AReaL's filter)
+    behaviour_weight_mode: str = "truncate"
 
     def __post_init__(self) -> None:
         if self.naive and (self.tis_cap is not None or self.decoupled):
@@ -186,6 +188,8 @@ class LossConfig:
         if self.decoupled and self.tis_cap is not None:
             raise ValueError("train.policy_loss 'decoupled' caps its weight with train.behaviour_weight_cap: "
                              "tis_cap must be unset")
+        if self.behaviour_weight_mode not in ("truncate", "mask"):
+            raise ValueError(f"train.behaviour_weight_mode must be truncate or mask, got {self.behaviour_weight_mode!r}")
 
     @property
     def weight_cap(self) -> float | None:
@@ -219,7 +223,8 @@ def policy_loss(
     ``decoupled`` (or ``clipped`` with ``tis_cap``, the same objective, as slime's TIS): the ratio is
     taken against the proximal policy, ``r = exp(logp - proximal_logp)``, clipped alike, and the token
     loss is multiplied by the (gradient-free) truncated behaviour weight
-    ``min(exp(proximal_logp - rollout_logp), cap)``. ``proximal_logp`` None means ``logp`` detached: the
+    ``min(exp(proximal_logp - rollout_logp), cap)``; with ``behaviour_weight_mode`` ``mask`` a weight above
+    the cap zeroes its token instead (AReaL's filter). ``proximal_logp`` None means ``logp`` detached: the
     first optimizer step of a batch, where the policy being stepped *is* the proximal one. With
     ``kl_coef`` > 0, ``kl_coef * k3`` is added.
     The naive loss (``cfg.naive``) treats every token as on-policy: ``-A * exp(logp - sg(logp))``,
@@ -244,7 +249,9 @@ def policy_loss(
         clipped = (surr_clipped < surr).to(logp.dtype)
     sums: dict[str, float] = {}
     if cap is not None:
-        weight = torch.exp(proximal - rollout_logp).clamp(max=cap)
+        weight = torch.exp(proximal - rollout_logp)
+        weight = weight.clamp(max=cap) if cfg.behaviour_weight_mode == "truncate" else \
+            torch.where(weight > cap, torch.zeros_like(weight), weight)
         per_token = per_token * weight
         sums["tis_weight"] = float((weight * mask).sum())
     if cfg.kl_coef > 0:

@@ -46,6 +46,15 @@ def test_the_behaviour_weight_is_truncated_at_the_cap() -> None:
     assert (loss, grad) == (pytest.approx(-2.0 * 1.5), pytest.approx(-2.0 * 1.5))
 
 
+def test_mask_mode_drops_a_token_whose_behaviour_weight_exceeds_the_cap() -> None:
+    cfg = LossConfig(decoupled=True, behaviour_weight_cap=1.5, behaviour_weight_mode="mask")
+    assert one_token(0.5, 0.5, 0.1, 2.0, cfg)[::2] == (0.0, 0.0)  # weight 5 > 1.5: no loss, no gradient
+    loss, _, grad = one_token(0.5, 0.5, 0.4, 2.0, cfg)  # weight 1.25 <= 1.5: kept as it is, not truncated
+    assert (loss, grad) == (pytest.approx(-2.0 * 1.25), pytest.approx(-2.0 * 1.25))
+    with pytest.raises(ValueError, match="behaviour_weight_mode"):
+        LossConfig(decoupled=True, behaviour_weight_mode="clip")
+
+
 def test_clipped_ignores_the_proximal_policy_and_clips_against_the_behaviour_policy() -> None:
     # the same token as above: ratio to the behaviour policy 0.55 / 0.25 = 2.2, clipped at 1.2
     loss, clipped, grad = one_token(0.55, 0.5, 0.25, 1.0, LossConfig(clip_eps=0.2))
