@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -180,7 +181,7 @@ class LossConfig:
     decoupled: bool = False  # ratio to the proximal policy, truncated behaviour weight (train.policy_loss = "decoupled")
     behaviour_weight_cap: float = 5.0  # the decoupled loss's cap on exp(proximal_logp - rollout_logp)
     # truncate: a weight above the cap counts as the cap (TIS); mask: its token gets no loss (AReaL's filter)
-    behaviour_weight_mode: str = "truncate"
+    behaviour_weight_mode: Literal["truncate", "mask"] = "truncate"
 
     def __post_init__(self) -> None:
         if self.naive and (self.tis_cap is not None or self.decoupled):

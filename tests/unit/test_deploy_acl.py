@@ -14,7 +14,7 @@ ADMIN_ONLY = {"ops_degraded"}
 
 
 def _key_names(keys: Keys) -> dict[str, str]:
-    """Every fixed key name of the contract: ``Keys`` properties, and a heartbeat pattern per service."""
+    """Every fixed key name of the contract, by property (heartbeats are per service: ``Keys.health``)."""
     return {name: getattr(keys, name) for name, member in inspect.getmembers(Keys)
             if isinstance(member, property) and name not in {"health_prefix"}}
 

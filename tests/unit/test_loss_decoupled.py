@@ -52,7 +52,7 @@ def test_mask_mode_drops_a_token_whose_behaviour_weight_exceeds_the_cap() -> Non
     loss, _, grad = one_token(0.5, 0.5, 0.4, 2.0, cfg)  # weight 1.25 <= 1.5: kept as it is, not truncated
     assert (loss, grad) == (pytest.approx(-2.0 * 1.25), pytest.approx(-2.0 * 1.25))
     with pytest.raises(ValueError, match="behaviour_weight_mode"):
-        LossConfig(decoupled=True, behaviour_weight_mode="clip")
+        LossConfig(decoupled=True, behaviour_weight_mode="clip")  # type: ignore[arg-type]  # the runtime check
 
 
 def test_clipped_ignores_the_proximal_policy_and_clips_against_the_behaviour_policy() -> None:

@@ -136,11 +136,12 @@ def env_name(service: str) -> str:
     return "REDIS_PASSWORD_" + service.upper().replace("-", "_")
 
 
-def user_line(service: str, prefix: str, password: str) -> str:
+def user_line(service: str, prefix: str, password: str, table: Mapping[str, Rule]) -> str:
+    """One user's ACL line; ``table``: ``rules(Keys(prefix))``, built once per file."""
     digest = hashlib.sha256(password.encode()).hexdigest()
     if service == "ops":  # dressage status / report / health checks: read-only over the deployment
         return OPS.format(digest=digest, prefix=prefix)
-    rule = rules(Keys(prefix))[service]
+    rule = table[service]
     root = [f"user {service} on #{digest} resetkeys resetchannels -@all {CONNECTION}"]
     channels = [f"&{c}" for c in rule.channels]
     if channels:
@@ -162,13 +163,14 @@ def render(prefix: str, passwords: Mapping[str, str], admin_password: str | None
             raise ValueError("REDIS_PASSWORD: a non-default admin password of at least 12 characters is required")
         digest = hashlib.sha256(admin_password.encode()).hexdigest()
         lines = [f"user default on #{digest} ~* &* +@all"]
+    table = rules(Keys(prefix))
     for service in USERS:
         pw = passwords.get(service, "")
         if service in OPTIONAL and not pw:
             continue
         if pw.strip().lower() in DEV_PASSWORDS or len(pw) < 12:
             raise ValueError(f"{env_name(service)}: a non-default password of at least 12 characters is required")
-        lines.append(user_line(service, prefix, pw))
+        lines.append(user_line(service, prefix, pw, table))
     return "\n".join(lines) + "\n"
 
 
