@@ -227,9 +227,11 @@ class StalenessSection(Section):
 class WindowControllerConfig(Section):
     """The adaptive window (services/window_controller): sets ``keep_versions`` live via ``{p}:control``.
 
-    Off by default. Each tick it reads the trainer's logprob diff and waiting fraction and the
-    collector's drop rate, and moves the window by at most ``max_step`` versions: tighter while the
-    logprob diff is above the target band, wider while the trainer starves or too much is dropped.
+    Off by default. Each tick it reads the trainer's off-policy measure (``signal``: the logprob diff,
+    the behaviour-vs-proximal mismatch KL, or the effective sample size of the behaviour weights) and
+    waiting fraction and the collector's drop rate, and moves the window by at most ``max_step``
+    versions: tighter while the measure is on the stale side of its target band, wider while the
+    trainer starves or too much is dropped.
     """
 
     enabled: bool = False  # `dressage up` starts the controller only when true
@@ -237,8 +239,12 @@ class WindowControllerConfig(Section):
     min_keep: int = Field(default=1, ge=1, le=1000)  # the window never goes below this (>= 1: never off)
     max_keep: int = Field(default=8, ge=1, le=10_000)
     initial_keep: int | None = Field(default=None, ge=1, le=10_000)  # None = staleness.keep_versions (off: max_keep)
+    signal: Literal["logprob_diff", "mismatch_kl", "ess"] = "logprob_diff"  # the measure steered by
     target_logprob_diff: float = Field(default=0.05, gt=0, le=100)  # train_rollout_logprob_abs_diff aimed at
-    deadband: float = Field(default=0.3, ge=0, le=10)  # no change while diff is within target x (1 +- deadband)
+    target_mismatch_kl: float = Field(default=0.05, gt=0, le=100)  # train/mismatch_kl aimed at (signal mismatch_kl)
+    # train/ess aimed at (signal ess); the band is on the deficit: 1 - ess within (1 - target_ess) x (1 +- deadband)
+    target_ess: float = Field(default=0.9, gt=0, lt=1)
+    deadband: float = Field(default=0.3, ge=0, le=10)  # hold while the measure is in target x (1 +- deadband)
     max_wait_fraction: float = Field(default=0.2, gt=0, le=1)  # trainer waiting more: widen, never tighten
     max_drop_rate: float = Field(default=0.4, gt=0, le=1)  # more groups dropped stale than this: widen
     patience: int = Field(default=3, ge=1, le=1000)  # ticks a proposal must repeat (twice as many to reverse)

@@ -3,7 +3,8 @@
 It acts through the operator's own control path: ``HSET {p}:control keep_versions N``, which the
 group-collector re-reads every ``collector.control_poll_s`` and applies to the waiting groups at
 once. Every tick -- change or not -- is one log line (INFO; DEBUG when it measured nothing) and one
-``{p}:window_controller:decisions`` entry (capped) carrying the inputs (logprob diff, waiting fraction, drop rate, new trainer steps),
+``{p}:window_controller:decisions`` entry (capped) carrying the inputs (logprob diff, mismatch KL, ESS, waiting fraction, drop rate, new trainer
+steps, the measure steered by and its target),
 the proposal, the reason, and the window before and after; ``window_controller/*`` metrics follow.
 
 An operator who sets ``keep_versions`` by hand while the controller runs is followed: the controller
@@ -19,7 +20,15 @@ from dataclasses import replace
 
 import redis
 
-from services.window_controller.policy import Decision, Signals, State, decide, initial_state
+from services.window_controller.policy import (
+    Decision,
+    Signals,
+    State,
+    decide,
+    drift,
+    initial_state,
+    steered,
+)
 from services.window_controller.signals import SignalReader
 from shared.config import WindowControllerConfig
 from shared.consumer import ConsumerLoop
@@ -68,8 +77,9 @@ class WindowController:
         self._write(self.state.keep)
         if not self.burst:
             self.reader.prime()
-        log.info("window controller started keep_versions=%d (bounds %d..%d, target logprob diff %.4g)",
-                 self.state.keep, self.cfg.min_keep, self.cfg.max_keep, self.cfg.target_logprob_diff)
+        name, target = steered(self.cfg)
+        log.info("window controller started keep_versions=%d (bounds %d..%d, steering %s to %.4g)",
+                 self.state.keep, self.cfg.min_keep, self.cfg.max_keep, name, target)
 
     def _follow_operator(self) -> None:
         current = self._control()
@@ -96,12 +106,17 @@ class WindowController:
 
     def _record(self, d: Decision, s: Signals) -> None:
         measured = s.steps > 0 or s.drop_rate is not None  # a tick that saw nothing is logged at DEBUG only
-        log.log(logging.INFO if measured or d.changed else logging.DEBUG, "window decision keep_versions=%d->%d proposal=%+d reason=%s logprob_diff=%s wait_fraction=%s "
-                 "drop_rate=%s trainer_steps=%d floor=%d", d.before, d.after, d.proposal, d.reason,
-                 _opt(s.logprob_diff), _opt(s.wait_fraction), _opt(s.drop_rate), s.steps, d.state.floor)
+        name, target = steered(self.cfg)
+        log.log(logging.INFO if measured or d.changed else logging.DEBUG,
+                "window decision keep_versions=%d->%d proposal=%+d reason=%s %s=%s (target %.4g) logprob_diff=%s "
+                "wait_fraction=%s drop_rate=%s trainer_steps=%d floor=%d", d.before, d.after, d.proposal, d.reason,
+                name, _opt(drift(self.cfg, s)), target, _opt(s.logprob_diff), _opt(s.wait_fraction),
+                _opt(s.drop_rate), s.steps, d.state.floor)
         fields = {"keep_before": str(d.before), "keep_after": str(d.after), "proposal": str(d.proposal),
-                  "reason": d.reason, "logprob_diff": _opt(s.logprob_diff), "wait_fraction": _opt(s.wait_fraction),
+                  "reason": d.reason, "logprob_diff": _opt(s.logprob_diff), "mismatch_kl": _opt(s.mismatch_kl),
+                  "ess": _opt(s.ess), "wait_fraction": _opt(s.wait_fraction),
                   "drop_rate": _opt(s.drop_rate), "trainer_steps": str(s.steps), "floor": str(d.state.floor),
+                  "signal": name, "drift": _opt(drift(self.cfg, s)), "target": f"{target:.6g}",
                   "target_logprob_diff": f"{self.cfg.target_logprob_diff:.6g}", "at": f"{time.time():.3f}"}
         self.r.xadd(self.keys.window_controller_decisions, fields, maxlen=DECISIONS_MAXLEN, approximate=True)
         metrics = {"window_controller/keep_versions": d.after, "window_controller/changed": int(d.changed),

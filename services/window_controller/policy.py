@@ -5,18 +5,23 @@ Each tick proposes a direction from what the run measured since the previous tic
 * **widen (+1), urgent**, when the trainer starves: its waiting fraction is above
   ``max_wait_fraction``, the share of groups dropped stale is above ``max_drop_rate``, or it made no
   step for ``stall_ticks`` ticks while groups were being dropped;
-* **tighten (-1)** when the trainer's ``train_rollout_logprob_abs_diff`` is above
-  ``target x (1 + deadband)`` -- but only while the trainer waits at most half of
-  ``max_wait_fraction`` and at most half of ``max_drop_rate`` is dropped (a guard band, so a window
-  never tightens into starvation);
-* **widen (+1)** when the diff is below ``target x (1 - deadband)`` and groups are being dropped
+* **tighten (-1)** when the *drift* is above ``target x (1 + deadband)`` -- but only while the trainer
+  waits at most half of ``max_wait_fraction`` and at most half of ``max_drop_rate`` is dropped (a
+  guard band, so a window never tightens into starvation);
+* **widen (+1)** when the drift is below ``target x (1 - deadband)`` and groups are being dropped
   (the window costs data that is fresh enough to train on);
 * otherwise **hold**.
+
+The drift is the off-policy measure ``window_controller.signal`` names, oriented so that higher means
+further off-policy: the trainer's ``train_rollout_logprob_abs_diff`` (target ``target_logprob_diff``),
+its behaviour-vs-proximal ``mismatch_kl`` (``target_mismatch_kl``), or the ESS deficit ``1 - ess`` of
+the behaviour importance weights (target ``1 - target_ess``). Reasons name it: ``logprob_diff_high``,
+``mismatch_kl_low``, ``ess_deficit_high``, ...
 
 Invariants (tested on scripted sequences and with hypothesis, tests/unit/test_window_controller.py):
 * ``min_keep <= keep <= max_keep`` and ``keep >= 1`` always: the controller never turns the window off;
 * one decision changes ``keep`` by at most ``max_step`` (urgent) or 1 (otherwise);
-* the proposal is monotone: non-increasing in the logprob diff, non-decreasing in the waiting
+* the proposal is monotone: non-increasing in the drift, non-decreasing in the waiting
   fraction and the drop rate, all else equal;
 * hysteresis: a proposal acts only after it repeated ``patience`` ticks in a row (``2 x patience`` to
   reverse the last change), then ``cooldown`` ticks pass with no change; starvation acts after
@@ -44,6 +49,8 @@ class Signals:
     wait_fraction: float | None  # share of the trainer's wall-clock spent waiting for a batch; None = unknown
     drop_rate: float | None  # stale drops / (stale drops + groups batched); None = no group decided
     steps: int = 0  # new trainer steps behind these figures
+    mismatch_kl: float | None = None  # mean train/mismatch_kl of the new steps; None = no step
+    ess: float | None = None  # mean train/ess (normalised, in (0, 1]) of the new steps; None = no step
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,24 @@ def initial_state(cfg: WindowControllerConfig, keep: int | None) -> State:
     return State(keep=min(max(start, cfg.min_keep), cfg.max_keep), floor=cfg.min_keep)
 
 
+def steered(cfg: WindowControllerConfig) -> tuple[str, float]:
+    """The name and target of the drift ``cfg.signal`` names (higher = further off-policy)."""
+    if cfg.signal == "mismatch_kl":
+        return "mismatch_kl", cfg.target_mismatch_kl
+    if cfg.signal == "ess":
+        return "ess_deficit", 1.0 - cfg.target_ess
+    return "logprob_diff", cfg.target_logprob_diff
+
+
+def drift(cfg: WindowControllerConfig, s: Signals) -> float | None:
+    """The measure ``cfg.signal`` names in these signals, oriented so that higher = further off-policy."""
+    if cfg.signal == "mismatch_kl":
+        return s.mismatch_kl
+    if cfg.signal == "ess":
+        return None if s.ess is None else 1.0 - s.ess
+    return s.logprob_diff
+
+
 def propose(cfg: WindowControllerConfig, s: Signals, idle: int) -> tuple[int, str]:
     """The direction these signals ask for, and why (no state but the idle tick count)."""
     wait, drop = s.wait_fraction or 0.0, s.drop_rate or 0.0
@@ -85,14 +110,15 @@ def propose(cfg: WindowControllerConfig, s: Signals, idle: int) -> tuple[int, st
         return WIDEN, "dropping_too_much"
     if s.steps == 0 and idle >= cfg.stall_ticks and drop > 0:
         return WIDEN, "trainer_stalled"
-    if s.logprob_diff is None:
+    (name, target), value = steered(cfg), drift(cfg, s)
+    if value is None:
         return HOLD, "no_trainer_step"
-    if s.logprob_diff > cfg.target_logprob_diff * (1 + cfg.deadband):
+    if value > target * (1 + cfg.deadband):
         if wait <= cfg.max_wait_fraction / 2 and drop <= cfg.max_drop_rate / 2:
-            return TIGHTEN, "logprob_diff_high"
-        return HOLD, "logprob_diff_high_but_trainer_needs_data"
-    if s.logprob_diff < cfg.target_logprob_diff * (1 - cfg.deadband) and drop > 0:
-        return WIDEN, "logprob_diff_low"
+            return TIGHTEN, f"{name}_high"
+        return HOLD, f"{name}_high_but_trainer_needs_data"
+    if value < target * (1 - cfg.deadband) and drop > 0:
+        return WIDEN, f"{name}_low"
     return HOLD, "in_band"
 
 

@@ -4,8 +4,9 @@
 since its previous call or ``prime()`` (a first call without ``prime`` only sets the cursors), so a
 restarted controller never acts on history:
 
-* ``logprob_diff``: mean ``train/train_rollout_logprob_abs_diff`` over the trainer's new
-  ``{p}:metrics`` entries;
+* ``logprob_diff``, ``mismatch_kl``, ``ess``: means of ``train/train_rollout_logprob_abs_diff``,
+  ``train/mismatch_kl`` and ``train/ess`` over the trainer's new ``{p}:metrics`` entries (the policy
+  steers by the one ``window_controller.signal`` names; the decision log keeps all three);
 * ``wait_fraction``: growth of the trainer's cumulative ``time/wait_s`` over growth of its
   ``time/wall_s`` (``shared.phases``), from the last entry seen before to the newest one; a restarted
   trainer (wall-clock went back) is measured over its new entries only;
@@ -26,6 +27,7 @@ from shared import stats
 from shared.keys import Keys
 
 DIFF = "train/train_rollout_logprob_abs_diff"
+MISMATCH_KL, ESS = "train/mismatch_kl", "train/ess"
 WAIT, WALL = "time/wait_s", "time/wall_s"
 
 
@@ -39,6 +41,11 @@ def _number(fields: Mapping[str, str], name: str) -> float | None:
     except (KeyError, ValueError):
         return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _mean(rows: Sequence[Mapping[str, str]], name: str) -> float | None:
+    values = [v for v in (_number(r, name) for r in rows) if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def wait_fraction(before: Mapping[str, str] | None, rows: Sequence[Mapping[str, str]]) -> float | None:
@@ -99,10 +106,9 @@ class SignalReader:
         if before is not None:
             dropped, batched = counts[0] - before[0], counts[1] - before[1]
             drop_rate = dropped / (dropped + batched) if dropped + batched > 0 and dropped >= 0 else None
-        diffs = [d for d in (_number(r, DIFF) for r in rows) if d is not None]
-        signals = Signals(logprob_diff=sum(diffs) / len(diffs) if diffs else None,
-                          wait_fraction=wait_fraction(self.last_trainer, rows), drop_rate=drop_rate,
-                          steps=len(rows))
+        signals = Signals(logprob_diff=_mean(rows, DIFF), wait_fraction=wait_fraction(self.last_trainer, rows),
+                          drop_rate=drop_rate, steps=len(rows), mismatch_kl=_mean(rows, MISMATCH_KL),
+                          ess=_mean(rows, ESS))
         if rows:
             self.last_trainer = rows[-1]
         return signals

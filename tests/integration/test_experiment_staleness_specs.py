@@ -68,6 +68,8 @@ def test_offpolicy_spec_crosses_eta_loss_and_staleness_control_at_4_minibatches(
     assert {(eta, loss, control, None) for eta in (2, 4, 8) for loss in losses
             for control in ("keep0", "keep2", "wait")} <= arms
     assert {(8, "naive", "keep0", 1), (8, "clipped", "keep0", 1)} <= arms  # the span cap at the highest eta
+    steered = {r.config["window_controller"]["signal"] for r in spec.runs if r.config["window_controller"].get("enabled")}
+    assert steered == {"logprob_diff", "mismatch_kl", "ess"}  # the adaptive window, by each measure
     quick = load_spec(spec_path("offpolicy"), quick=True)
     assert {r.config["staleness"]["mode"] for r in quick.runs} == {"drop", "wait"}
 

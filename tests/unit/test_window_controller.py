@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from services.window_controller.policy import (
     Signals,
     State,
     decide,
+    drift,
     initial_state,
     propose,
 )
@@ -84,6 +86,21 @@ def test_reversing_the_last_change_needs_twice_the_patience() -> None:
     assert state.streak == 1
 
 
+def test_ess_and_mismatch_kl_steer_when_chosen_and_are_ignored_otherwise() -> None:
+    by_ess = CFG.model_copy(update={"signal": "ess", "target_ess": 0.8})  # deficit target 0.2, band [0.14, 0.26]
+    by_kl = CFG.model_copy(update={"signal": "mismatch_kl", "target_mismatch_kl": 0.05})
+    fed = Signals(logprob_diff=0.1, wait_fraction=0.02, drop_rate=0.1, steps=3)  # the diff in CFG's band
+    assert propose(by_ess, dataclasses.replace(fed, ess=0.5), 0) == (TIGHTEN, "ess_deficit_high")
+    assert propose(by_ess, dataclasses.replace(fed, ess=0.99), 0) == (WIDEN, "ess_deficit_low")
+    assert propose(by_ess, dataclasses.replace(fed, ess=0.8), 0) == (HOLD, "in_band")
+    assert propose(by_kl, dataclasses.replace(fed, mismatch_kl=0.6), 0) == (TIGHTEN, "mismatch_kl_high")
+    assert propose(by_kl, dataclasses.replace(fed, mismatch_kl=0.001), 0) == (WIDEN, "mismatch_kl_low")
+    assert propose(by_kl, fed, 0) == (HOLD, "no_trainer_step")  # the chosen measure missing: nothing to act on
+    assert propose(CFG, dataclasses.replace(fed, ess=0.01, mismatch_kl=9.0), 0) == (HOLD, "in_band")
+    # starvation still outranks whichever measure steers
+    assert propose(by_ess, dataclasses.replace(STARVING, ess=0.1), 0) == (WIDEN, "trainer_waiting")
+
+
 def test_initial_state_clips_into_bounds_and_starts_wide_when_the_window_is_off() -> None:
     assert initial_state(CFG, 0).keep == 6 and initial_state(CFG, 99).keep == 6 and initial_state(CFG, 2).keep == 2
 
@@ -94,7 +111,9 @@ signals = st.builds(
     wait_fraction=st.one_of(st.none(), st.floats(0, 1, allow_nan=False)),
     drop_rate=st.one_of(st.none(), st.floats(0, 1, allow_nan=False)),
     steps=st.integers(0, 5),
-).map(lambda s: s if s.steps else dataclasses.replace(s, logprob_diff=None))
+    mismatch_kl=st.one_of(st.none(), st.floats(0, 5, allow_nan=False)),
+    ess=st.one_of(st.none(), st.floats(0.01, 1, allow_nan=False)),
+).map(lambda s: s if s.steps else dataclasses.replace(s, logprob_diff=None, mismatch_kl=None, ess=None))
 # The loop's signals: a logprob diff is the mean over the new trainer steps, so no step means no diff
 # (signals.py). Without this, hypothesis found "no step for ticks, yet a high diff": tighten on the
 # diff, then widen when the stall guard fires, a pair of inputs the loop cannot produce.
@@ -103,7 +122,16 @@ configs = st.builds(
     min_keep=st.integers(1, 3), max_keep=st.integers(3, 10), patience=st.integers(1, 4),
     starve_patience=st.integers(1, 3), cooldown=st.integers(0, 3), max_step=st.integers(1, 3),
     deadband=st.floats(0, 1), target_logprob_diff=st.floats(0.01, 1),
+    signal=st.sampled_from(["logprob_diff", "mismatch_kl", "ess"]), target_mismatch_kl=st.floats(0.01, 1),
+    target_ess=st.floats(0.05, 0.99),
 )
+
+
+def with_drift(cfg: WindowControllerConfig, s: Signals, value: float) -> Signals:
+    """``s`` with the measure ``cfg.signal`` steers by set so that its drift is ``value`` (a trainer step seen)."""
+    field = {"logprob_diff": "logprob_diff", "mismatch_kl": "mismatch_kl", "ess": "ess"}[cfg.signal]
+    raw = 1.0 - value if cfg.signal == "ess" else value
+    return dataclasses.replace(s, steps=max(s.steps, 1), **{field: raw})
 
 
 @settings(max_examples=300, deadline=None)
@@ -122,13 +150,13 @@ def test_window_stays_in_bounds_and_moves_by_bounded_steps(cfg: WindowController
 
 
 @settings(max_examples=300, deadline=None)
-@given(configs, signals, st.floats(0, 5), st.floats(0, 5), st.integers(0, 5))
-def test_proposal_is_non_increasing_in_the_logprob_diff(cfg: WindowControllerConfig, s: Signals, a: float,
-                                                        b: float, idle: int) -> None:
+@given(configs, signals, st.floats(0, 0.99), st.floats(0, 0.99), st.integers(0, 5))
+def test_proposal_is_non_increasing_in_the_drift_whichever_measure_steers(
+        cfg: WindowControllerConfig, s: Signals, a: float, b: float, idle: int) -> None:
     lo, hi = sorted((a, b))
-    p_lo = propose(cfg, Signals(lo, s.wait_fraction, s.drop_rate, max(s.steps, 1)), idle)[0]
-    p_hi = propose(cfg, Signals(hi, s.wait_fraction, s.drop_rate, max(s.steps, 1)), idle)[0]
-    assert p_hi <= p_lo
+    s_lo, s_hi = with_drift(cfg, s, lo), with_drift(cfg, s, hi)
+    assert drift(cfg, s_lo) == pytest.approx(lo) and drift(cfg, s_hi) == pytest.approx(hi)
+    assert propose(cfg, s_hi, idle)[0] <= propose(cfg, s_lo, idle)[0]
 
 
 @settings(max_examples=300, deadline=None)

@@ -74,6 +74,23 @@ def test_controller_writes_the_operator_control_key_and_logs_every_decision_with
     assert float(rec[b"logprob_diff"]) == pytest.approx(0.5) and rec[b"trainer_steps"] == b"1"
 
 
+def test_an_ess_steered_controller_tightens_on_the_ess_and_logs_all_three_measures(
+        r: fakeredis.FakeRedis) -> None:
+    keys = Keys("t")
+    ctl = WindowController(r, keys, CFG.model_copy(update={"signal": "ess", "target_ess": 0.9}), default_keep=3)
+    ctl.start()
+    for ess_value in (0.5, 0.7):  # mean 0.6: a deficit of 0.4 against a target of 0.1; the diff is in band
+        report_metrics(r, keys, "trainer", {"train/train_rollout_logprob_abs_diff": 0.1, "train/ess": ess_value,
+                                            "train/mismatch_kl": 0.3, "time/wait_s": 0.1, "time/wall_s": 10.0})
+    counts(r, keys, 0, 8)
+    d = ctl.tick()
+    assert (d.before, d.after, d.reason) == (3, 2, "ess_deficit_high")
+    (_, rec), = r.xrange(keys.window_controller_decisions)
+    assert rec[b"signal"] == b"ess_deficit" and float(rec[b"drift"]) == pytest.approx(0.4)
+    assert float(rec[b"target"]) == pytest.approx(0.1) and float(rec[b"ess"]) == pytest.approx(0.6)
+    assert float(rec[b"mismatch_kl"]) == pytest.approx(0.3) and float(rec[b"logprob_diff"]) == pytest.approx(0.1)
+
+
 def test_controller_follows_an_operator_override_and_restores_a_value_it_cannot_keep(
         r: fakeredis.FakeRedis) -> None:
     keys = Keys("t")
