@@ -6,17 +6,19 @@ directory, nothing downloaded (``local_files_only``; a model id in ``model.path`
 folder in the Hugging Face cache when the config loads, ``shared.hub``). `load_model` returns the model in eval
 mode on the requested device and dtype. A missing or incomplete directory raises
 `ModelNotFound` naming the path and the missing file, before `transformers` is asked.
+`load_tokenizer` imports no torch for a tokenizer of the generic `tokenizers`-backed class (the one
+`AutoTokenizer` would build for it anyway): the proxy, which needs a tokenizer alone, starts without it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -36,6 +38,9 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16"
 TOKENIZER_FILES = ("tokenizer_config.json",)
 CONFIG_FILES = ("config.json",)
 WEIGHT_GLOBS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# tokenizer_class values naming the generic fast tokenizer itself (5.x's name, then 4.5x's): loaded by that
+# class directly, since `AutoTokenizer`'s import chain pulls in torch (configuration_utils -> rope utils).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 class ModelNotFound(DressageError):
@@ -84,11 +89,26 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     p = Path(path)
     if not p.is_dir() or not (p / "tokenizer_config.json").is_file():
         raise ModelNotFound(f"no tokenizer at {p} (tokenizer_config.json missing){_hub_hint(str(path))}")
-    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
     if tok.pad_token_id is None:
         # Real checkpoints sometimes lack a pad token; padding with eos is the usual fix.
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _tokenizer_class(p: Path) -> Any:
+    """The class `AutoTokenizer` would pick, without importing torch where it is the generic fast one."""
+    try:
+        named = json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None  # AutoTokenizer reports a broken file in its own words
+    if named in GENERIC_TOKENIZER_CLASSES and (p / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def load_model(

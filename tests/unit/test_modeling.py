@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,31 @@ def test_sampling_is_reproducible_with_a_seed(model_dir: Path) -> None:
     a = generate_text(model, tok, messages, max_new_tokens=8, greedy=False, seed=11)
     b = generate_text(model, tok, messages, max_new_tokens=8, greedy=False, seed=11)
     assert a == b
+
+
+def test_load_tokenizer_builds_what_auto_tokenizer_builds_without_importing_torch(model_dir: Path) -> None:
+    """The generic fast class is loaded directly (AutoTokenizer's imports pull in torch): same class, same ids,
+    same chat text; a fresh interpreter that loads it and imports the proxy has no torch."""
+    ours, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(ours) is type(auto)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "reverse 9081 <|im_end|>"}]
+    assert chat_input_ids(ours, messages) == chat_input_ids(auto, messages)
+    assert ours.encode("x\n<|endoftext|>y") == auto.encode("x\n<|endoftext|>y")
+    assert (ours.pad_token_id, ours.eos_token_id) == (auto.pad_token_id, auto.eos_token_id)
+    probe = ("import sys; from shared.modeling.loading import load_tokenizer; import services.proxy.main; "
+             f"load_tokenizer({str(model_dir)!r}); print(sorted(m for m in ('torch', 'safetensors.torch') "
+             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_model_specific_tokenizer_class_still_goes_through_auto_tokenizer(model_dir: Path, tmp_path: Path) -> None:
+    for f in model_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "Qwen2Tokenizer"  # a real checkpoint's class: AutoTokenizer resolves it
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(tmp_path)
+    assert type(tok).__name__ == type(AutoTokenizer.from_pretrained(str(tmp_path))).__name__ == "Qwen2Tokenizer"
