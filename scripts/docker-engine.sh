@@ -14,6 +14,11 @@
 # stack then takes minutes). DOCKERD_STORAGE_DRIVER forces one. Its log goes to $DOCKERD_LOG; the pid
 # of an engine started here is written to $DOCKERD_PIDFILE, so whoever started it can stop it
 # (`kill "$(cat "$DOCKERD_PIDFILE")"`) and nobody stops an engine they did not start.
+# An engine stopped while Compose was removing its networks can leave a network store that makes the
+# next dockerd panic at start (libnetwork reservePools); that store is moved aside (to
+# local-kv.db.broken-<time>; images, containers and volumes are untouched) and dockerd started again.
+# Only a fatal or error line about cgroups or permissions means "cannot run here" (77); a panic or a
+# timeout is a failure (1), never a skip.
 set -euo pipefail
 
 CANNOT=77                                              # automake's "skipped": distinct from a failure
@@ -48,14 +53,22 @@ start() {
   return 1
 }
 
+NETWORK_STORE=${DOCKERD_NETWORK_STORE:-/var/lib/docker/network/files/local-kv.db}
 start "${DOCKERD_STORAGE_DRIVER:-}" && exit 0
+if grep -q "libnetwork.*reservePools" "$DOCKERD_LOG" && [ -f "$NETWORK_STORE" ]; then
+  moved="$NETWORK_STORE.broken-$(date +%Y%m%dT%H%M%S)"
+  echo "docker engine: dockerd panicked restoring its networks; moving $NETWORK_STORE to $moved" >&2
+  mv "$NETWORK_STORE" "$moved"
+  start "${DOCKERD_STORAGE_DRIVER:-}" && exit 0
+fi
 if [ -z "${DOCKERD_STORAGE_DRIVER:-}" ]; then
   cp "$DOCKERD_LOG" "$DOCKERD_LOG.first"
   start vfs && exit 0
 fi
-if grep -qiE "cgroup|operation not permitted|permission denied" "$DOCKERD_LOG"; then
-  cannot "dockerd did not start: $(grep -iE 'cgroup|not permitted|permission denied' "$DOCKERD_LOG" | tail -1)"
+FATAL='level=(fatal|error).*(cgroup|operation not permitted|permission denied)'
+if ! grep -q "^panic:" "$DOCKERD_LOG" && grep -qiE "$FATAL" "$DOCKERD_LOG"; then
+  cannot "dockerd did not start: $(grep -iE "$FATAL" "$DOCKERD_LOG" | tail -1)"
 fi
-echo "docker engine: dockerd did not answer within 60 s; last lines of $DOCKERD_LOG:" >&2
+echo "docker engine: dockerd did not start or answer within 60 s; last lines of $DOCKERD_LOG:" >&2
 tail -5 "$DOCKERD_LOG" >&2
 exit 1
