@@ -122,15 +122,41 @@ class EvalWorker(Worker):  # type: ignore[misc]  # rq is followed as untyped (py
         except TRANSIENT as exc:
             log.warning("eval worker %s: teardown with Redis unreachable (%s); registration left to expire",
                         self.name, exc)
-            if self.pubsub_thread is not None:
-                self.pubsub_thread.stop()
-                self.pubsub_thread.join(timeout=1)
-                self.pubsub.close()
+            self._end_pubsub(polite=False)
+
+    def unsubscribe(self) -> None:
+        """rq's unsubscribe without its wait of up to a minute: see ``_end_pubsub``."""
+        if self.pubsub_thread is not None:
+            log.info("eval worker %s: unsubscribing from %s", self.name, self.pubsub_channel_name)
+            self._end_pubsub(polite=True)
+
+    def _end_pubsub(self, *, polite: bool) -> None:
+        """Stop rq's pubsub thread, then (``polite``) UNSUBSCRIBE, then close; never waits more than 1 s.
+
+        rq sends UNSUBSCRIBE first and stops the thread after. A thread that handled the reply before the stop
+        finds itself unsubscribed and waits out its 60-s poll, and redis-py >= 8.2's ``stop()`` joins it: SIGTERM
+        took a minute to end the worker. Asked to stop first, the thread ends on the reply that wakes it."""
+        thread = self.pubsub_thread
+        _halt(thread)
+        try:
+            if polite:
+                self.pubsub.unsubscribe()
+        finally:
+            thread.join(timeout=1)
+            self.pubsub.close()
 
     def renew_name(self) -> None:
         """A restarted loop registers afresh: the old name may survive in Redis's AOF without its death."""
         if self._fresh_name is not None:
             self.name = self._fresh_name()
+
+
+def _halt(thread: Any) -> None:
+    """Clear a redis-py pubsub thread's running flag without waiting for it to end."""
+    try:
+        thread.stop(timeout=0)  # redis-py >= 8.2: stop() joins, for ``timeout`` at most
+    except TypeError:  # older redis-py: stop() takes no timeout and only clears the flag
+        thread.stop()
 
 
 def rq_worker_name(keys: Keys, consumer: str) -> str:

@@ -89,7 +89,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     p = Path(path)
     if not p.is_dir() or not (p / "tokenizer_config.json").is_file():
         raise ModelNotFound(f"no tokenizer at {p} (tokenizer_config.json missing){_hub_hint(str(path))}")
-    tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
+    tok: PreTrainedTokenizerBase = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
     if tok.pad_token_id is None:
         # Real checkpoints sometimes lack a pad token; padding with eos is the usual fix.
         tok.pad_token = tok.eos_token

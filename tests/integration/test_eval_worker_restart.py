@@ -94,3 +94,30 @@ def test_redis_down_while_a_job_ends_does_not_end_the_worker(tmp_path: Path) -> 
             proc.kill()
             proc.wait(10)
         server.cleanup()
+
+
+def _unsubscribe_seconds(worker: Worker, unsubscribe: object) -> tuple[float, bool]:
+    """Time ``unsubscribe(worker)`` when the pubsub thread handles the UNSUBSCRIBE reply before anyone stops it."""
+    worker.subscribe()
+    time.sleep(0.3)  # the thread is polling
+    send = worker.pubsub.unsubscribe
+
+    def send_then_let_the_thread_handle_the_reply(*args: object) -> object:
+        out = send(*args)
+        time.sleep(0.5)  # the reply is handled now: the thread finds itself unsubscribed and polls again
+        return out
+
+    worker.pubsub.unsubscribe = send_then_let_the_thread_handle_the_reply
+    started = time.monotonic()
+    unsubscribe(worker)  # type: ignore[operator]  # a Worker method, called unbound
+    return time.monotonic() - started, worker.pubsub_thread.is_alive()
+
+
+def test_a_stop_never_waits_out_the_pubsub_poll(redis_client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    """rq stops its pubsub thread after the UNSUBSCRIBE; a thread that handled the reply first waited its 60-s
+    poll, and redis-py >= 8.2 joins it: SIGTERM took a minute (seen in the suite as a 30-s SIGTERM timeout and a
+    60-s burst). The eval worker asks the thread to stop first, so the reply ends it."""
+    policy = JobPolicy(checkpoint_root=str(tmp_path), data_root=str(tmp_path))
+    ours = build_worker(redis_client, keys, f"{keys.prefix}-eval", "w1", 15.0, policy=policy)
+    seconds, alive = _unsubscribe_seconds(ours, type(ours).unsubscribe)
+    assert seconds < 2.0 and not alive, (seconds, alive)
