@@ -20,8 +20,8 @@ from shared.keys import Keys
 from shared.telemetry import heartbeat, report_metrics
 from tools.deploy import redisboot
 from tools.deploy.plan import RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
+from tools.deploy.ports import PortClaims
 from tools.deploy.progress import Progress, progress_line
-from tools.deploy.up import port_or_free
 from tools.monitor import health
 from tools.reports.metricslog import MetricsLog, load_rows
 
@@ -149,13 +149,28 @@ def test_public_url_drops_credentials() -> None:
     assert public_url("redis://user:pw@10.0.0.1/2") == "redis://10.0.0.1/2"
 
 
-def test_port_or_free_avoids_a_taken_port() -> None:
+def test_a_port_bound_by_anyone_is_not_used(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        other = port_or_free("127.0.0.1", busy)
+        other = PortClaims(tmp_path).claim("127.0.0.1", busy)
         assert other != busy and other > 0
+
+
+def test_a_port_another_run_claimed_is_not_used_even_while_it_still_binds(tmp_path: Path) -> None:
+    """Two runs started together: the first has not bound its port yet, the second must not pick it too."""
+    first, second = PortClaims(tmp_path), PortClaims(tmp_path)
+    port = first.claim("127.0.0.1", _a_free_port())
+    assert second.claim("127.0.0.1", port) != port
+    first.release()
+    assert PortClaims(tmp_path).claim("127.0.0.1", port) == port  # given back when the run ends
+
+
+def _a_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_progress_line_from_rows_and_stats() -> None:

@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from shared.tasks.registry import TASK_NAMES
 from shared.versionbus import read_latest
 from shared.versions import version_number
 from tools.deploy.plan import TIER_SOURCE, RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
+from tools.deploy.ports import PortClaims
 from tools.deploy.progress import Progress
 from tools.deploy.redisboot import NoRedisAvailable, resolve_redis
 from tools.deploy.supervisor import RestartPolicy, RunResult, Supervisor, tail_lines
@@ -61,19 +61,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-report", action="store_true", help="skip the report at the end")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
-
-
-def port_or_free(host: str, port: int) -> int:
-    """``port`` when it can be bound on ``host``, else a free one (two runs side by side)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-            return port
-        except OSError:
-            s.bind((host, 0))
-            free = int(s.getsockname()[1])
-    log.info("port %d on %s is taken: using %d", port, host, free)
-    return free
 
 
 def prepare_demo(cfg: DressageConfig, logs: Path) -> None:
@@ -167,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     except (NoRedisAvailable, RuntimeError) as exc:
         sys.stderr.write(f"dressage up: {exc}\n")
         return 1
+    ports = PortClaims()  # held until the run ends: a run started beside this one picks other ports
     try:
         choices = RunChoices(
             config_path=args.config, run_dir=run_dir, redis_url=handle.url,
             prefix=args.prefix or run_prefix(cfg.redis.prefix, run_dir.name),
             workers=args.workers or cfg.ops.workers, max_steps=max_steps,
-            engine_port=port_or_free(cfg.engine.host, cfg.engine.port),
-            proxy_port=port_or_free(cfg.proxy.host, cfg.proxy.port))
+            engine_port=ports.claim(cfg.engine.host, cfg.engine.port),
+            proxy_port=ports.claim(cfg.proxy.host, cfg.proxy.port))
         specs = build_plan(cfg, choices)
         write_run_info(run_dir, cfg, choices, sorted({s.argv[3] for s in specs}))  # argv: py -m services <svc>
         sys.stdout.write(f"run {run_dir} | redis {public_url(handle.url)} ({handle.kind}) prefix {choices.prefix}"
@@ -238,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(f"\n{files.table}\n\nreport: {files.html}\nmetrics: {run_dir / 'metrics.jsonl'}\n")
         return 0 if result.ok else 1
     finally:
+        ports.release()
         handle.stop()
 
 
