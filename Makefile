@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TEST_STAMP := $(VENV)/.installed-test-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv venv-test demo tool-agent byo-learning test test-unit test-integration test-chaos soak lint bench clean images compose-test
+.PHONY: venv venv-test demo tool-agent byo-learning test suite test-unit test-integration test-chaos soak lint bench clean images compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,8 +51,15 @@ lint: venv-test
 	@! grep -rnE --include='*.py' 'type: ignore(\[[^]]*\])? *$$' shared services tools tests || \
 		(echo "type: ignore without a reason (add '  # why')"; exit 1)
 
-test: venv-test lint
-	$(BIN)/python -m pytest -q -x -p no:cacheprovider tests
+# The lint beside the tests, and the tests in two processes (pytest-xdist): whole files each, so a file's module
+# and session fixtures (the compose stack, the chaos engine) are built once and its tests keep their order; the
+# files in tests/scheduling.py's SPREAD go one test at a time. TEST_JOBS=0: one process.
+TEST_JOBS ?= 2
+test: venv-test
+	$(MAKE) --no-print-directory -j2 lint suite
+
+suite: venv-test
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile tests
 
 test-unit: venv-test
 	$(BIN)/python -m pytest -q tests/unit

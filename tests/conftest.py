@@ -1,4 +1,5 @@
-"""Shared fixtures: a private redis-server per test session (never the machine's own Redis)."""
+"""Shared fixtures: a private redis-server per test session (never the machine's own Redis); how
+`make test`'s two test processes share the files (pytest-xdist, ``--dist loadfile``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,45 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from scheduling import first_rank, schedule_scope
+from summaries import read_summaries
 
 from shared.keys import Keys
 from shared.redisproc import RedisProcess
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _FileOrTestScheduling:
+    """pytest-xdist's hook (registered only where xdist is installed): loadfile, with SPREAD files split."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+        from xdist.scheduler import LoadFileScheduling
+
+        class FileOrTest(LoadFileScheduling):  # type: ignore[misc]  # xdist ships no type hints
+            def _split_scope(self, nodeid: str) -> str:
+                return schedule_scope(nodeid)
+
+        return FileOrTest(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (tests/scheduling.py): they start while the short ones can still fill in."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile":
+        items.sort(key=lambda item: first_rank(item.nodeid))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile":
+        config.pluginmanager.register(_FileOrTestScheduling(), "dressage-file-or-test-scheduling")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the main process prints
+        return
+    for line in read_summaries(config):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from compose_stack import CANNOT_RUN, REPO, TIER, Stack, run
+from summaries import write_summary
 
 _started_at = time.monotonic()
 _outcomes: dict[str, str] = {}  # test name -> passed / failed / skipped
@@ -74,14 +75,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _outcomes[report.nodeid.split("::")[-1]] = report.outcome
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line: the preset, the checks that passed, how long, where the time went."""
+def summary_line() -> str | None:
+    """One line: the preset, the checks that passed, how long, where the time went (None: no check ran)."""
     if not _outcomes:
-        return
+        return None
     ran = {k: v for k, v in _outcomes.items() if v != "skipped"}
     failed = [k for k, v in ran.items() if v == "failed"]
     phases = ", ".join(f"{k} {v:.0f}s" for t in _timings for k, v in t.items())
     verdict = f"FAILED: {', '.join(failed)}" if failed else ("ok" if ran else "nothing ran")
-    terminalreporter.write_line(
-        f"compose tier ({TIER}): {len(ran) - len(failed)}/{len(ran)} checks passed, "
-        f"{len(_outcomes) - len(ran)} skipped, {time.monotonic() - _started_at:.0f}s: {verdict} [{phases}]")
+    return (f"compose tier ({TIER}): {len(ran) - len(failed)}/{len(ran)} checks passed, "
+            f"{len(_outcomes) - len(ran)} skipped, {time.monotonic() - _started_at:.0f}s: {verdict} [{phases}]")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Leave the line where tests/conftest.py prints it: the test process that ran the tier may be an xdist
+    worker, whose terminal nobody sees."""
+    line = summary_line()
+    if line is not None:
+        write_summary(session.config, "compose", line)
