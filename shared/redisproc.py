@@ -30,9 +30,10 @@ def find_redis_server() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS hands out as free on ``host`` now (another process may take it before it is bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -32,14 +32,19 @@ class _FileOrTestScheduling:
         return FileOrTest(config, log)
 
 
+def _by_file(config: pytest.Config) -> bool:
+    """True under `make test`'s scheduling: xdist installed and ``--dist loadfile`` asked for."""
+    return config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first (tests/scheduling.py): they start while the short ones can still fill in."""
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile":
+    if _by_file(config):
         items.sort(key=lambda item: first_rank(item.nodeid))
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile":
+    if _by_file(config):
         config.pluginmanager.register(_FileOrTestScheduling(), "dressage-file-or-test-scheduling")
 
 

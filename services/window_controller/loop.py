@@ -106,17 +106,17 @@ class WindowController:
 
     def _record(self, d: Decision, s: Signals) -> None:
         measured = s.steps > 0 or s.drop_rate is not None  # a tick that saw nothing is logged at DEBUG only
-        name, target = steered(self.cfg)
+        (name, target), value = steered(self.cfg), _opt(drift(self.cfg, s))
         log.log(logging.INFO if measured or d.changed else logging.DEBUG,
                 "window decision keep_versions=%d->%d proposal=%+d reason=%s %s=%s (target %.4g) logprob_diff=%s "
                 "wait_fraction=%s drop_rate=%s trainer_steps=%d floor=%d", d.before, d.after, d.proposal, d.reason,
-                name, _opt(drift(self.cfg, s)), target, _opt(s.logprob_diff), _opt(s.wait_fraction),
+                name, value, target, _opt(s.logprob_diff), _opt(s.wait_fraction),
                 _opt(s.drop_rate), s.steps, d.state.floor)
         fields = {"keep_before": str(d.before), "keep_after": str(d.after), "proposal": str(d.proposal),
                   "reason": d.reason, "logprob_diff": _opt(s.logprob_diff), "mismatch_kl": _opt(s.mismatch_kl),
                   "ess": _opt(s.ess), "wait_fraction": _opt(s.wait_fraction),
                   "drop_rate": _opt(s.drop_rate), "trainer_steps": str(s.steps), "floor": str(d.state.floor),
-                  "signal": name, "drift": _opt(drift(self.cfg, s)), "target": f"{target:.6g}",
+                  "signal": name, "drift": value, "target": f"{target:.6g}",
                   "target_logprob_diff": f"{self.cfg.target_logprob_diff:.6g}", "at": f"{time.time():.3f}"}
         self.r.xadd(self.keys.window_controller_decisions, fields, maxlen=DECISIONS_MAXLEN, approximate=True)
         metrics = {"window_controller/keep_versions": d.after, "window_controller/changed": int(d.changed),

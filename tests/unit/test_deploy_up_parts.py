@@ -20,7 +20,7 @@ from shared.keys import Keys
 from shared.telemetry import heartbeat, report_metrics
 from tools.deploy import redisboot
 from tools.deploy.plan import RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
-from tools.deploy.ports import PortClaims
+from tools.deploy.ports import NoFreePort, PortClaims
 from tools.deploy.progress import Progress, progress_line
 from tools.monitor import health
 from tools.reports.metricslog import MetricsLog, load_rows
@@ -165,6 +165,13 @@ def test_a_port_another_run_claimed_is_not_used_even_while_it_still_binds(tmp_pa
     assert second.claim("127.0.0.1", port) != port
     first.release()
     assert PortClaims(tmp_path).claim("127.0.0.1", port) == port  # given back when the run ends
+
+
+def test_no_usable_claims_directory_is_a_clear_error_naming_it(tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a file where the claims directory should be: nothing can be claimed
+    with pytest.raises(NoFreePort, match="a-file"):
+        PortClaims(blocked / "claims").claim("127.0.0.1", _a_free_port())
 
 
 def _a_free_port() -> int:

@@ -18,12 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+from shared.redisproc import free_port
+
 log = logging.getLogger(__name__)
 ATTEMPTS = 50  # free ports tried before giving up (each one the OS's pick)
 
 
 class NoFreePort(RuntimeError):
-    """No port could be both claimed and bound on the host; names the host."""
+    """No port could be both claimed and bound on the host; names the host and the claims directory."""
 
 
 def default_claims_dir() -> Path:
@@ -39,12 +41,6 @@ def _binds(host: str, port: int) -> bool:
     return True
 
 
-def _os_pick(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class PortClaims:
     """The ports one run holds; ``release()`` (or the process's end) gives them back."""
 
@@ -53,10 +49,10 @@ class PortClaims:
         self._held: list[IO[bytes]] = []
 
     def _lock(self, host: str, port: int) -> IO[bytes] | None:
-        self.dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
             fh = (self.dir / f"{host}-{port}.lock").open("ab")
-        except OSError:  # another user's claim file: not ours to take
+        except OSError:  # another user's claim file (or no claims directory): not ours to take
             return None
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +65,7 @@ class PortClaims:
         """``port`` when no other run claims it and it binds on ``host``; else a free one, claimed the same way."""
         candidates = [port] + [0] * ATTEMPTS
         for wanted in candidates:
-            candidate = wanted or _os_pick(host)
+            candidate = wanted or free_port(host)
             fh = self._lock(host, candidate)
             if fh is None:
                 continue
@@ -80,7 +76,7 @@ class PortClaims:
                              candidate, os.getpid())
                 return candidate
             fh.close()
-        raise NoFreePort(f"no port on {host} could be claimed and bound after {ATTEMPTS} tries")
+        raise NoFreePort(f"no port on {host} could be claimed in {self.dir} and bound after {ATTEMPTS} tries")
 
     def release(self) -> None:
         for fh in self._held:

@@ -33,7 +33,7 @@ from shared.tasks.registry import TASK_NAMES
 from shared.versionbus import read_latest
 from shared.versions import version_number
 from tools.deploy.plan import TIER_SOURCE, RunChoices, build_plan, deferred_evaluation, public_url, run_prefix
-from tools.deploy.ports import PortClaims
+from tools.deploy.ports import NoFreePort, PortClaims
 from tools.deploy.progress import Progress
 from tools.deploy.redisboot import NoRedisAvailable, resolve_redis
 from tools.deploy.supervisor import RestartPolicy, RunResult, Supervisor, tail_lines
@@ -156,12 +156,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ports = PortClaims()  # held until the run ends: a run started beside this one picks other ports
     try:
+        engine_port = ports.claim(cfg.engine.host, cfg.engine.port)
+        proxy_port = ports.claim(cfg.proxy.host, cfg.proxy.port)
+    except NoFreePort as exc:
+        sys.stderr.write(f"dressage up: {exc}\n")
+        ports.release()
+        handle.stop()
+        return 1
+    try:
         choices = RunChoices(
             config_path=args.config, run_dir=run_dir, redis_url=handle.url,
             prefix=args.prefix or run_prefix(cfg.redis.prefix, run_dir.name),
             workers=args.workers or cfg.ops.workers, max_steps=max_steps,
-            engine_port=ports.claim(cfg.engine.host, cfg.engine.port),
-            proxy_port=ports.claim(cfg.proxy.host, cfg.proxy.port))
+            engine_port=engine_port, proxy_port=proxy_port)
         specs = build_plan(cfg, choices)
         write_run_info(run_dir, cfg, choices, sorted({s.argv[3] for s in specs}))  # argv: py -m services <svc>
         sys.stdout.write(f"run {run_dir} | redis {public_url(handle.url)} ({handle.kind}) prefix {choices.prefix}"
