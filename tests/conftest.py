@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from scheduling import first_rank, schedule_scope
+from scheduling import make_scheduler
 from summaries import read_summaries
 
 from shared.keys import Keys
@@ -19,28 +19,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class _FileOrTestScheduling:
-    """pytest-xdist's hook (registered only where xdist is installed): loadfile, with SPREAD files split."""
+    """pytest-xdist's hook (registered only where xdist is installed): loadfile, with SPREAD files split and
+    FIRST files handed out first (tests/scheduling.py)."""
 
     @staticmethod
     def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-        from xdist.scheduler import LoadFileScheduling
-
-        class FileOrTest(LoadFileScheduling):  # type: ignore[misc]  # xdist ships no type hints
-            def _split_scope(self, nodeid: str) -> str:
-                return schedule_scope(nodeid)
-
-        return FileOrTest(config, log)
+        return make_scheduler(config, log)
 
 
 def _by_file(config: pytest.Config) -> bool:
     """True under `make test`'s scheduling: xdist installed and ``--dist loadfile`` asked for."""
     return config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadfile"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (tests/scheduling.py): they start while the short ones can still fill in."""
-    if _by_file(config):
-        items.sort(key=lambda item: first_rank(item.nodeid))
 
 
 def pytest_configure(config: pytest.Config) -> None:

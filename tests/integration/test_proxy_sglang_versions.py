@@ -88,7 +88,9 @@ def test_a_restarted_engine_of_each_release_rejoins(fleet: Fleet, version: str) 
 
 
 def test_sglang_health_needs_more_than_one_second() -> None:
-    """SGLang's /health answers after its one-token generation (every release): a 1 s timeout never sees it."""
+    """SGLang's /health answers after its one-token generation, checked once a second (every release): a timeout
+    under that second never sees it. (At exactly 1 s the two clocks race: a busy event loop can read the answer
+    before it fires its own timeout.)"""
     emu = SGLangEmulator(VERSIONS[-1])
     with AppThread(emu.app) as engine:
 
@@ -99,7 +101,7 @@ def test_sglang_health_needs_more_than_one_second() -> None:
             finally:
                 await c.close()
 
-        assert asyncio.run(healthy(1.0)) is False
+        assert asyncio.run(healthy(0.8)) is False
         assert asyncio.run(healthy(ProxyConfig().engine_health_timeout_s)) is True
 
 
