@@ -1,8 +1,8 @@
 """``dressage up`` end to end: every real service as a process on a private Redis, a few trainer steps.
 
 Checks the run's outputs (metrics.jsonl with increasing versions, report files, logs, exit code 0),
-that ``dressage status`` shows live numbers while the run is going, and that SIGTERM stops every
-process cleanly with exit code 0.
+and that ``dressage status`` shows live numbers while the run is going. SIGTERM stopping every process
+cleanly, and the services' metrics endpoints, are read off one long run in test_up_live.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -119,25 +118,6 @@ def test_deferred_evaluation_runs_every_queued_version_after_the_last_step(model
     published = {str(r.get("train/published_version")) for r in rows if r.get("service") == "trainer"}
     assert {"1", "2", "3"} <= published  # the publication times that time-to-accuracy is read from
     assert not any(alive(pid) for pid in child_pids(output).values())
-
-
-def test_sigterm_stops_every_service_cleanly(model_dir: Path, run_dir: Path) -> None:
-    proc = start_up(run_dir, model_dir, "--max-steps", "1000", "--workers", "1")
-    try:
-        wait_for(lambda: any(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")),
-                 150, "a trainer report in metrics.jsonl", process=proc, period=0.5)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output
-    assert "run stopped" in output
-    pids = child_pids(output)
-    assert {"engine", "proxy", "trainer", "rollout-worker-1"} <= set(pids)
-    assert not any(alive(pid) for pid in pids.values())
-    for name in ("trainer", "group-collector", "prompt-buffer", "rollout-worker-1"):
-        assert "signal 15 received" in (run_dir / "logs" / f"{name}.log").read_text(), name
 
 
 def test_a_service_dying_stops_the_run_with_its_name_exit_code_and_log(tmp_path: Path) -> None:
