@@ -442,6 +442,10 @@ class OpsConfig(Section):
     # unset = normal. Lets the rollout side yield a contended core to the trainer at once (docs/benchmarks.md).
     # Both rank the run's services against each other: `dressage up` keeps them in one session (docs/operations.md)
     service_sched: dict[str, Literal["batch", "idle"]] = Field(default_factory=dict)
+    # true: `dressage up` forks the trainer, the engine and the eval worker on the CPU from one launcher that has
+    # imported torch and transformers once (each starts about 4 s of CPU sooner, a restart too); a service on a
+    # GPU is always started fresh. false: every service is a fresh interpreter (docs/operations.md)
+    prefork: bool = True
 
     @field_validator("service_threads")
     @classmethod

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import launching
 import redis
 import yaml
 from history import History, collect, poll
@@ -40,6 +41,7 @@ from shared.config import merge_layers
 from shared.keys import GROUP_COLLECTOR, GROUP_ROLLOUT, GROUP_TRAINER, Keys
 from shared.modeling import ModelSpec, ensure_model
 from shared.redisproc import RedisProcess, free_port
+from tools.deploy.supervisor import Proc as Started
 
 # Smaller than the default tiny model: the chaos suite checks plumbing, and every process loads it.
 CHAOS_SPEC = ModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -78,7 +80,7 @@ def clean_env() -> dict[str, str]:
 class Proc:
     name: str
     service: str
-    popen: subprocess.Popen[bytes]
+    popen: Started
     log: Path
 
     @property
@@ -264,10 +266,14 @@ class Cluster:
             full_env.setdefault("REDIS_PASSWORD", self.users[service])
         if self.password is not None:
             full_env.setdefault("REDIS_PASSWORD", self.password)
-        with log.open("ab") as out:
-            popen = subprocess.Popen([sys.executable, "-m", "services.cli", service, "--config",
-                                      str(config or self.config_path), *args],
-                                     cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        argv = [service, "--config", str(config or self.config_path), *args]
+        popen: Started
+        if service in launching.TORCH_SERVICES:  # forked: torch imported once per test process
+            popen = launching.start("services.cli", argv, full_env, REPO, log)
+        else:
+            with log.open("ab") as out:
+                popen = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
+                                         cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
         proc = self.procs[name] = Proc(name, service, popen, log)
         return proc
 

@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import launching
 import pytest
 import redis
 import torch
+from launching import Finished
 from safetensors.torch import load_file
 from trainer_factory import batch_fields, tiny_model, trainer_config, write_config_yaml
 
@@ -40,13 +42,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def run_trainer(config: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_trainer(config: Path, fault: str | None = None) -> Finished:
+    """``python -m services.trainer --burst`` (forked, torch imported once for the file: tests/launching.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DRESSAGE_LOG_LEVEL": "INFO"}
     env.pop("DRESSAGE_FAULT", None)
     if fault:
         env["DRESSAGE_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(config), "--burst"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return launching.run("services.trainer", ["--config", str(config), "--burst"], env, ROOT,
+                         config.parent / "trainer.log", timeout=120)
 
 
 def setup_run(tmp_path: Path, model_dir: Path, server: RedisProcess, r: redis.Redis, keys: Keys,
@@ -77,10 +80,10 @@ def pending_ids(r: redis.Redis, keys: Keys) -> list[str]:
 
 
 def crash(config: Path, fault: str) -> str:
-    """Run the trainer until the fault kills it; its stderr."""
+    """Run the trainer until the fault kills it; what it printed."""
     proc = run_trainer(config, fault)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    return proc.stderr
+    assert proc.returncode == -signal.SIGKILL, proc.output[-3000:]
+    return proc.output
 
 
 def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
@@ -116,8 +119,8 @@ def test_kill_at_every_protocol_point_loses_nothing_and_trains_nothing_twice(
 
     # 5. Clean restart: v3 is announced, the remaining batches train, versions keep increasing.
     proc = run_trainer(config)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "announcing complete checkpoint version=3" in proc.stderr
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "announcing complete checkpoint version=3" in proc.output
     check_history(r, keys, store, ids)
 
 
@@ -135,7 +138,7 @@ def test_kill_between_minibatches_acknowledges_nothing_and_retrains_the_batch_wh
     assert published_versions(r, keys) == ["0", "1"] and [i.version for i in store.complete()] == [0, 1]
     assert pending_ids(r, keys) == [ids[1]] and int(r.hget(keys.stats, "batches_trained") or 0) == 1
     proc = run_trainer(config)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     check_history(r, keys, store, ids)
     assert store.load_state(store.complete()[-1])["learner"]["optimizer_steps"] == 4 * N_BATCHES
 
@@ -174,7 +177,7 @@ def test_kill_at_every_protocol_point_with_the_commit_thread_loses_nothing_and_t
         crash(config, fault)
         assert_safe(r, keys, store, ids)
     proc = run_trainer(config)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     check_history(r, keys, store, ids)
 
 
@@ -199,7 +202,7 @@ def test_kill_at_every_point_between_durable_checkpoints_loses_nothing_and_train
         crash(config, fault)
         assert_safe(r, keys, store, ids)
     proc = run_trainer(config)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     published = [int(v) for v in published_versions(r, keys)]
     assert published == sorted(set(published)) and published[0] == 0  # each once, increasing
     done = store.complete()

@@ -98,15 +98,22 @@ def test_bounded_demo_run_produces_metrics_report_and_live_status(model_dir: Pat
             "rollout-worker-1", "rollout-worker-2"} <= logs
     info = json.loads((run_dir / "run.json").read_text())
     assert info["prefix"].startswith("dressage-test-") and "@" not in info["redis_url"]
+    # ops.prefork (the default): the services that load torch were forked from one pre-imported launcher
+    forked = set(re.findall(r"started (\S+) pid=\d+ \(forked, pre-imported\)", output))
+    assert forked == {"engine", "trainer", "eval-worker"}, output
+    launcher = re.search(r"prefork launcher ready pid=(\d+)", output)
+    assert launcher is not None and not alive(int(launcher.group(1)))
     assert not any(alive(pid) for pid in child_pids(output).values())
 
 
 def test_deferred_evaluation_runs_every_queued_version_after_the_last_step(model_dir: Path, run_dir: Path) -> None:
     # keep_checkpoints 1: only the queued evaluations keep the older versions on disk until they ran
+    # ops.prefork off: every service a fresh interpreter, the path a GPU deployment takes
     proc = start_up(run_dir, model_dir, "--max-steps", "3", "--no-report",
                     env_extra={"DRESSAGE_EVAL_DEFER": "true", "DRESSAGE_EVAL_EVERY_VERSIONS": "1",
-                               "DRESSAGE_TRAIN_KEEP_CHECKPOINTS": "1"})
+                               "DRESSAGE_TRAIN_KEEP_CHECKPOINTS": "1", "DRESSAGE_OPS_PREFORK": "false"})
     output = finished(proc, 300)
+    assert "forked" not in output and "prefork launcher" not in output
     # No eval worker ran beside the pipeline: one burst worker started once the trainer was done.
     started = [m.group(1) for m in re.finditer(r"started (\S+) pid=", output)]
     assert started.count("eval-worker") == 1 and started[-1] == "eval-worker", started

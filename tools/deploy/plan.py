@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from services.cli import COMMANDS
 from shared.config import DressageConfig
 from shared.telemetry import local_replica
+from tools.deploy.prefork import TORCH_SERVICES
 from tools.deploy.supervisor import ProcessSpec
 
 # Start tiers; stop runs them in reverse (workers first, the engine last). TIER_AFTER: a job started
@@ -90,6 +92,16 @@ def common_env(cfg: DressageConfig, c: RunChoices) -> dict[str, str]:
     return env
 
 
+def prefork_module(cfg: DressageConfig, service: str) -> str | None:
+    """The module the pre-imported launcher loads for ``service`` (``ops.prefork``), or None to exec it: only the
+    services that load torch, and only on the CPU -- CUDA does not survive a fork, so a GPU service starts fresh."""
+    devices = {"trainer": cfg.train.device, "engine": cfg.engine.device, "eval-worker": cfg.eval.device}
+    assert set(devices) == set(TORCH_SERVICES)
+    if not cfg.ops.prefork or devices.get(service) != "cpu":
+        return None
+    return COMMANDS[service][0]
+
+
 def _factory(cfg: DressageConfig, c: RunChoices) -> Callable[..., ProcessSpec]:
     """``proc(service, tier, name=None, extra=None, **ProcessSpec fields)``: one service of this run."""
     env = common_env(cfg, c)
@@ -105,7 +117,7 @@ def _factory(cfg: DressageConfig, c: RunChoices) -> Callable[..., ProcessSpec]:
         if threads is not None:  # torch reads these at import: intra-op threads of this process
             penv.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
         return ProcessSpec(name=name, argv=argv, env=penv, log_path=logs / f"{name}.log", tier=tier,
-                           nice=cfg.ops.service_nice.get(service, 0),
+                           nice=cfg.ops.service_nice.get(service, 0), prefork=prefork_module(cfg, service),
                            sched=cfg.ops.service_sched.get(service), **kw)  # type: ignore[arg-type]  # kw holds ProcessSpec keyword fields only
 
     return proc

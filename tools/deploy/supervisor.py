@@ -17,25 +17,28 @@ Contract:
 * an ``optional`` process (the eval-worker) never ends the run: when it fails (without restart, or
   with its restart budget spent) it is *reported* -- ``degraded`` names it with the reason, one
   error line -- and, with restart on, it is still tried again every ``cap_s`` (it comes back by
-  itself once the cause is gone, and then leaves ``degraded``).
+  itself once the cause is gone, and then leaves ``degraded``);
+* a ``prefork`` process (``python -m`` of a service that loads torch) is forked from one pre-imported
+  launcher (tools/deploy/prefork.py) with the same setup, group, session and log as an exec'd one; when no
+  launcher can start, it is exec'd.
 The supervisor never leaves a child behind: ``stop()`` is idempotent and runs on every exit path.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, Protocol
 
 from shared.errors import DressageError
+from tools.deploy.childsetup import child_setup
+from tools.deploy.prefork import ForkedProcess, Launcher, LauncherFailed
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,9 @@ class ProcessSpec:
     cwd: str | None = None
     nice: int = 0  # added to the child's niceness before exec (0..19): lower CPU priority under contention
     sched: str | None = None  # Linux scheduling policy set before exec: "batch" or "idle" (SCHED_*); None = normal
+    # ``python -m MODULE ...`` forked from the pre-imported launcher (tools/deploy/prefork.py), which imports this
+    # module (e.g. "services.trainer.main") and torch once for all; None = exec'd as a process of its own
+    prefork: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,35 +123,6 @@ def tail_lines(path: Path | None, n: int = 20, max_bytes: int = 64_000) -> str:
     return "\n".join(data.splitlines()[-n:])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: deliver SIGTERM to the child when the supervisor dies, even by SIGKILL."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-SCHED_POLICIES = {"batch": "SCHED_BATCH", "idle": "SCHED_IDLE"}  # ops.service_sched values -> os constants
-
-
-def _child_setup(nice: int, sched: str | None = None) -> Callable[[], None]:
-    """What the child runs between fork and exec: the parent-death signal (Linux), its niceness and its
-    scheduling policy. Set before exec, so every thread the service later starts (torch's included)
-    inherits them. A policy this platform lacks (not Linux) is left out: the service runs as normal."""
-    linux = sys.platform.startswith("linux")
-    policy = getattr(os, SCHED_POLICIES[sched], None) if sched else None
-
-    def setup() -> None:  # pragma: no cover - runs in the child between fork and exec
-        if linux:
-            _die_with_parent()
-        if nice:
-            os.nice(nice)
-        if policy is not None:
-            os.sched_setscheduler(0, policy, os.sched_param(0))
-
-    return setup
-
-
 def _tick_if_due(tick: Callable[[], None] | None, last_tick: float, every_s: float) -> float:
     """Call ``tick`` when ``every_s`` has passed since ``last_tick`` (monotonic); the new last tick time."""
     if tick is None or time.monotonic() - last_tick < every_s:
@@ -154,10 +131,25 @@ def _tick_if_due(tick: Callable[[], None] | None, last_tick: float, every_s: flo
     return time.monotonic()
 
 
+class Proc(Protocol):
+    """A started child: ``subprocess.Popen`` or a ``prefork.ForkedProcess``."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
 @dataclass
 class _Child:
     spec: ProcessSpec
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
     log_fh: IO[bytes] | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -176,6 +168,9 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.degraded: dict[str, str] = {}  # optional process name -> why it is not (reliably) running
         self._stopped = False
+        self._preloads = sorted({s.prefork for s in specs if s.prefork})
+        self._launcher: Launcher | None = None
+        self._prefork_failed = False  # the launcher could not start: every service is exec'd from then on
 
     # -- starting -------------------------------------------------------------------------
     def _spawn(self, child: _Child) -> None:
@@ -189,13 +184,36 @@ class Supervisor:
                       f"{' '.join(spec.argv)}\n".encode())
             out.flush()
         child.log_fh = out
-        child.proc = subprocess.Popen(
-            list(spec.argv), env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT if out else None, process_group=0,
-            preexec_fn=_child_setup(spec.nice, spec.sched))
+        child.proc = self._forked(spec, env) if spec.prefork else None
+        if child.proc is None:
+            child.proc = subprocess.Popen(
+                list(spec.argv), env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT if out else None, process_group=0,
+                preexec_fn=child_setup(spec.nice, spec.sched))
         child.started_at = time.monotonic()
         child.restart_at = None
-        log.info("started %s pid=%d", spec.name, child.proc.pid)
+        forked = isinstance(child.proc, ForkedProcess)
+        log.info("started %s pid=%d%s", spec.name, child.proc.pid, " (forked, pre-imported)" if forked else "")
+
+    def _forked(self, spec: ProcessSpec, env: dict[str, str]) -> Proc | None:
+        """``spec`` forked from the launcher (started on first use, again after it died); None when no launcher
+        can run -- the caller execs the service then, as without prefork."""
+        argv = list(spec.argv)
+        if self._prefork_failed or len(argv) < 3 or argv[1] != "-m":
+            return None
+        try:
+            if self._launcher is None or not self._launcher.alive:
+                if self._launcher is not None:  # it died: its services went with it (parent-death signal)
+                    self._launcher.collect()
+                    self._launcher.close()
+                self._launcher = Launcher(argv[0], sorted({*self._preloads, spec.prefork or ""} - {""}))
+                self._launcher.start()
+            return self._launcher.spawn(argv[2], argv[3:], env, spec.cwd,
+                                        str(spec.log_path) if spec.log_path else None, spec.nice, spec.sched)
+        except LauncherFailed as exc:
+            log.warning("%s; starting %s and every later service as a process of its own", exc, spec.name)
+            self._prefork_failed = True
+            return None
 
     def start(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Start every tier in order, waiting for readiness probes; raises ``ServiceFailed``."""
@@ -370,6 +388,8 @@ class Supervisor:
                 self._signal(child, signal.SIGKILL, group_only=True)
                 codes[child.spec.name] = child.proc.returncode
                 self._close_log(child)
+        if min_tier is None and self._launcher is not None:
+            self._launcher.close()
         return codes
 
     @staticmethod
