@@ -26,6 +26,7 @@ launcher -> supervisor ``{"ready": true}`` once, ``{"pid": n}`` per request, ``{
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -100,6 +101,8 @@ def serve(request_fd: int, reply_fd: int, modules: Sequence[str]) -> dict[str, A
     the request pipe. Returns None in the launcher (done) and the request in each forked child."""
     for name in modules:
         __import__(name)
+    gc.collect()
+    gc.freeze()  # the imports' objects leave the collector's view: a child's collections neither scan nor copy them
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
