@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.cli import COMMANDS
 from tools.deploy import prefork
-from tools.deploy.prefork import ForkedProcess, Launcher
+from tools.deploy.prefork import ForkedProcess, Launcher, ensure_launcher
 
 TORCH_SERVICES = frozenset(prefork.TORCH_SERVICES)
 PRELOADED = tuple(COMMANDS[service][0] for service in prefork.TORCH_SERVICES)
@@ -28,12 +28,10 @@ def start(module: str, args: Sequence[str], env: dict[str, str], cwd: Path, log:
     """``python -m module args...`` forked from this test process's launcher; stdout and stderr appended to
     ``log``."""
     global _launcher
-    if _launcher is None or not _launcher.alive:
-        if _launcher is not None:
-            _launcher.close()
-        _launcher = Launcher(sys.executable, PRELOADED)
-        _launcher.start()
-        atexit.register(_launcher.close)
+    launcher = ensure_launcher(_launcher, sys.executable, PRELOADED)
+    if launcher is not _launcher:
+        atexit.register(launcher.close)
+        _launcher = launcher
     return _launcher.spawn(module, args, env, str(cwd), str(log), 0, None)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paths import REPO
 from test_deploy_supervisor import alive, run_until
 from waits import wait_for
 
@@ -104,6 +106,18 @@ def test_the_launchers_death_ends_its_services_and_they_read_as_ended(launcher: 
     wait_for(lambda: not alive(sleeper.pid), 20, "the forked service gone (parent-death signal)")
     with pytest.raises(LauncherFailed):
         spawn(launcher, probe_dir)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("parent_gone", [False, True])
+def test_a_child_whose_parent_died_before_the_signal_was_armed_ends_at_once(parent_gone: bool) -> None:
+    # The window between a fork and PR_SET_PDEATHSIG: a parent gone by then would leave the child running
+    # for ever; die_with_parent compares getppid() with the parent it was forked from. A pid that is not
+    # our parent stands for the dead one (our parent is then the reaper).
+    code = ("import os, time; from tools.deploy.childsetup import die_with_parent; "
+            f"die_with_parent({'os.getppid() + 1_000_000' if parent_gone else 'os.getppid()'}); time.sleep(0.5)")
+    proc = subprocess.run([PY, "-c", code], cwd=REPO, timeout=60)
+    assert proc.returncode == (-signal.SIGTERM if parent_gone else 0)
 
 
 def test_a_thread_count_in_the_services_environment_reaches_torch_imported_by_the_launcher(probe_dir: Path) -> None:

@@ -14,27 +14,33 @@ import sys
 from collections.abc import Callable
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child before its service
-    """Linux: deliver SIGTERM to this process when its parent dies, even by SIGKILL."""
+def die_with_parent(parent: int | None = None) -> None:  # pragma: no cover - runs in the child before its service
+    """Linux: deliver SIGTERM to this process when its parent dies, even by SIGKILL. ``parent``: the pid of the
+    parent that forked us; one that died before the signal was armed (between the fork and here) ends us now,
+    as the signal would have."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 SCHED_POLICIES = {"batch": "SCHED_BATCH", "idle": "SCHED_IDLE"}  # ops.service_sched values -> os constants
 
 
-def child_setup(nice: int, sched: str | None = None) -> Callable[[], None]:
+def child_setup(nice: int, sched: str | None = None, parent: int | None = None) -> Callable[[], None]:
     """What the child runs before its service (between fork and exec, or in a forked launcher child): the
-    parent-death signal (Linux), its niceness and its scheduling policy. A policy this platform lacks (not
-    Linux) is left out: the service runs as normal."""
+    parent-death signal (Linux), its niceness and its scheduling policy. ``parent``: the forking process
+    (default: the caller, which is the parent when this is a ``preexec_fn``). A policy this platform lacks
+    (not Linux) is left out: the service runs as normal."""
     linux = sys.platform.startswith("linux")
+    parent = os.getpid() if parent is None else parent
     policy = getattr(os, SCHED_POLICIES[sched], None) if sched else None
 
     def setup() -> None:  # pragma: no cover - runs in the child before its service
         if linux:
-            die_with_parent()
+            die_with_parent(parent)
         if nice:
             os.nice(nice)
         if policy is not None:

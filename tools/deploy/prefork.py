@@ -70,12 +70,13 @@ def _reap(reply_fd: int) -> None:
         _write(reply_fd, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _become_service(request: dict[str, Any], fds: Iterable[int]) -> None:
-    """In the forked child: turn into the requested service (everything but running its module)."""
+def _become_service(request: dict[str, Any], fds: Iterable[int], launcher: int) -> None:
+    """In the forked child of ``launcher`` (its pid): turn into the requested service (everything but running
+    its module)."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)
-    child_setup(int(request.get("nice") or 0), request.get("sched"))()
+    child_setup(int(request.get("nice") or 0), request.get("sched"), parent=launcher)()
     for fd in fds:
         os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -125,9 +126,10 @@ def serve(request_fd: int, reply_fd: int, modules: Sequence[str]) -> dict[str, A
             request: dict[str, Any] = json.loads(line)
             sys.stdout.flush()
             sys.stderr.flush()
+            launcher = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _become_service(request, (request_fd, reply_fd, wake_r, wake_w))
+                _become_service(request, (request_fd, reply_fd, wake_r, wake_w), launcher)
                 return request
             try:
                 os.setpgid(pid, pid)  # as the child does: a group signal sent at once reaches it
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m tools.deploy.prefork REQUEST_FD REPLY_FD MODULE...`` (started by ``Launcher``)."""
     args = sys.argv[1:] if argv is None else argv
     request_fd, reply_fd, modules = int(args[0]), int(args[1]), args[2:]
-    die_with_parent()
+    die_with_parent()  # a supervisor gone before this: the request pipe's end of file stops the loop
     request = serve(request_fd, reply_fd, modules)
     if request is None:
         return 0
@@ -151,6 +153,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- the supervisor's side ------------------------------------------------------------------------------
+def ensure_launcher(current: Launcher | None, python: str, modules: Sequence[str]) -> Launcher:
+    """``current`` while it runs; else a fresh launcher, started (``LauncherFailed`` if it cannot), after the
+    dead one's last exits are taken in and its pipes closed (its services went with it: parent-death signal)."""
+    if current is not None and current.alive:
+        return current
+    if current is not None:
+        current.collect()
+        current.close()
+    launcher = Launcher(python, modules)
+    launcher.start()
+    return launcher
+
+
 class Launcher:
     """One launcher process and the exit codes it has reported (``ForkedProcess`` reads them)."""
 

@@ -38,7 +38,7 @@ from typing import IO, Literal, Protocol
 
 from shared.errors import DressageError
 from tools.deploy.childsetup import child_setup
-from tools.deploy.prefork import ForkedProcess, Launcher, LauncherFailed
+from tools.deploy.prefork import ForkedProcess, Launcher, LauncherFailed, ensure_launcher
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +202,7 @@ class Supervisor:
         if self._prefork_failed or len(argv) < 3 or argv[1] != "-m":
             return None
         try:
-            if self._launcher is None or not self._launcher.alive:
-                if self._launcher is not None:  # it died: its services went with it (parent-death signal)
-                    self._launcher.collect()
-                    self._launcher.close()
-                self._launcher = Launcher(argv[0], sorted({*self._preloads, spec.prefork or ""} - {""}))
-                self._launcher.start()
+            self._launcher = ensure_launcher(self._launcher, argv[0], sorted({*self._preloads, spec.prefork or ""} - {""}))
             return self._launcher.spawn(argv[2], argv[3:], env, spec.cwd,
                                         str(spec.log_path) if spec.log_path else None, spec.nice, spec.sched)
         except LauncherFailed as exc:
