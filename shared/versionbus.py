@@ -27,6 +27,7 @@ from shared.streams import next_id
 from shared.versions import version_newer
 
 log = logging.getLogger(__name__)
+WAKE_S = 0.1  # the longest VersionWatcher.stop waits for its thread (between two reads of the bus)
 
 
 def parse_version(raw: Any) -> WeightVersion | None:
@@ -163,12 +164,15 @@ class VersionWatcher:
                 try:
                     self.refresh(r)  # after subscribing: nothing published from now on can be missed
                     backoff.reset()
+                    due = time.monotonic() + self._poll_s
                     while not self._stop.is_set():
-                        msg = pubsub.get_message(timeout=self._poll_s)
+                        # Short waits, so that ``stop`` returns within WAKE_S; the key is still read once per poll.
+                        msg = pubsub.get_message(timeout=min(self._poll_s, WAKE_S))
+                        if msg is None and time.monotonic() < due:
+                            continue
                         # On a message *and* on every timer tick the key is the truth.
                         self.refresh(r)
-                        if msg is None:
-                            continue
+                        due = time.monotonic() + self._poll_s
                 finally:
                     try:
                         pubsub.close()

@@ -68,6 +68,24 @@ def test_watcher_sees_versions_in_order_and_ignores_late_older_ones(redis_client
         watcher.stop()
 
 
+def test_a_watcher_with_a_long_poll_stops_at_once_and_still_reads_the_key_on_its_timer(
+        redis_client: redis.Redis, keys: Keys, redis_server: RedisProcess) -> None:
+    # A service's stop waits for its watcher's thread: the thread must not sit out a whole poll (1 s in the
+    # services) before it sees the stop. The timer's read of the key stays once per poll.
+    watcher = VersionWatcher(lambda: redis.Redis(port=redis_server.port), keys, poll_s=2.0).start()
+    try:
+        publish_version(redis_client, keys, wv(1))
+        assert watcher.wait_for(lambda v: v is not None and v.version == "1", 5)
+        redis_client.set(keys.weights_latest, wv(2).model_dump_json())  # the key alone: no message wakes it
+        assert watcher.wait_for(lambda v: v is not None and v.version == "2", 5)  # the timer's read
+    finally:
+        t0 = time.monotonic()
+        watcher.stop(timeout=30)
+        stopped_in = time.monotonic() - t0
+    assert watcher._thread is not None and not watcher._thread.is_alive()
+    assert stopped_in < 1.0, stopped_in  # a poll is 2 s; the thread wakes every WAKE_S (0.1 s)
+
+
 def test_disconnected_subscriber_catches_up(tmp_path) -> None:
     server = RedisProcess(directory=tmp_path, appendonly=True).start()
     keys = Keys("catchup")

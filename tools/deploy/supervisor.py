@@ -368,7 +368,8 @@ class Supervisor:
             alive = [c for c in group if c.proc is not None and c.proc.poll() is None]
             for child in alive:
                 self._signal(child, signal.SIGTERM)
-            deadline = time.monotonic() + self.grace_s
+            t0 = time.monotonic()
+            deadline = t0 + self.grace_s
             for child in alive:
                 assert child.proc is not None
                 try:
@@ -383,6 +384,8 @@ class Supervisor:
                 self._signal(child, signal.SIGKILL, group_only=True)
                 codes[child.spec.name] = child.proc.returncode
                 self._close_log(child)
+            if alive:
+                log.info("stopped %s in %.2fs", " ".join(c.spec.name for c in alive), time.monotonic() - t0)
         if min_tier is None and self._launcher is not None:
             self._launcher.close()
         return codes

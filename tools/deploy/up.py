@@ -98,7 +98,7 @@ def wait_final_eval(progress: Progress, every: int, timeout_s: float, stopped: C
         progress.tick()
         if any(str(r.get("eval/version")) == target for r in progress.metrics.rows):
             return True
-        time.sleep(1.0)
+        time.sleep(0.25)
     log.warning("no evaluation of version=%s within %.0fs", target, timeout_s)
     return False
 

@@ -45,7 +45,8 @@ from tools.reports.series import EVAL_ACC, STEP, number, pick
 
 log = logging.getLogger(__name__)
 RESULT, CHILD = "result.json", "child.json"
-POLL_S = 1.0
+POLL_S = 0.2  # a run's exit is noticed within this
+WATCH_S = 1.0  # a running run's metrics are read, its stop rules applied and the progress line redrawn this often
 STOP_WAIT_S = 90.0  # SIGTERM -> SIGKILL of a run's process group
 
 
@@ -180,16 +181,21 @@ class Experiment:
         self._say(f"experiment {self.spec.name}: {len(self.spec.runs)} runs ({self.skipped} already finished), "
                   f"stop: {self.spec.stop.describe()}, folder {self.root}", force=True)
         active: list[Active] = []
+        watched = 0.0
         while (pending or active) and not self.stop.is_set:
             while pending and len(active) < self.jobs and not self.stop.is_set:
                 active.append(self._launch(pending.pop(0), taken={p for a in active for p in a.ports}))
             self.stop.wait(POLL_S)
+            watch = time.monotonic() - watched >= WATCH_S
             for a in list(active):
-                self._watch(a)
+                if watch:
+                    self._watch(a)
                 if a.proc.poll() is not None:
                     active.remove(a)
-                    self._settle(a)
-            self._progress(active, len(pending))
+                    self._settle(a)  # reads its metrics a last time
+            if watch:
+                watched = time.monotonic()
+                self._progress(active, len(pending))
         for a in active:  # interrupted: stop cleanly, leave no result.json
             a.stopped_by_rule = None
             stop_group(a.proc.pid, a.proc)
