@@ -188,7 +188,8 @@ class RolloutConfig(Section):
     trajectory_timeout_s: float = Field(default=300.0, gt=0, le=86400)
     claim_idle_ms: int = Field(default=30_000, ge=100, le=86_400_000)  # reclaim pending entries idle this long
     grace_period_s: float = Field(default=20.0, ge=0, le=3600)
-    block_ms: int = Field(default=1000, ge=1, le=60_000)
+    # One blocking read of prompts at a time; a stop waits for it, and what it got stays pending until reclaimed
+    block_ms: int = Field(default=250, ge=1, le=60_000)
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)  # None = the task's own limit
     # Black-box agent: an external command run once per trajectory (argv, no shell; "python" = this environment's
