@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,15 +164,16 @@ def check_serving(device: str, run: Run) -> tuple[bool, str]:
                 f"tokens {choice['message']['content']!r}, mean logprob {sum(lps) / max(len(lps), 1):.2f}")
 
 
-def heldout_loss(checkpoint: Path, n_rows: int = HELDOUT_ROWS) -> float:
-    """Mean next-token loss of the demo's held-out reference answers under ``checkpoint`` (CPU, no gradient)."""
+def heldout_losses(checkpoints: Sequence[Path], n_rows: int = HELDOUT_ROWS) -> list[float]:
+    """Mean next-token loss of the demo's held-out reference answers under each checkpoint (CPU, no gradient).
+    The checkpoints of one run share their tokenizer: the answers are tokenized once, from the first."""
     cfg = load_config(CONFIG)
-    task = get_task(cfg.model.task)
     rows = scan_dataset(REPO / cfg.eval.dataset, task=cfg.model.task).rows[:n_rows]
-    tokenizer = load_tokenizer(checkpoint)
+    tokenizer = load_tokenizer(checkpoints[0])
+    examples = demonstration_examples(get_task(cfg.model.task), rows, tokenizer)
     with torch.no_grad():
-        return float(sequence_loss(load_model(checkpoint, device="cpu"), demonstration_examples(task, rows, tokenizer),
-                                   pad_id=tokenizer.pad_token_id or 0))
+        return [float(sequence_loss(load_model(c, device="cpu"), examples, pad_id=tokenizer.pad_token_id or 0))
+                for c in checkpoints]
 
 
 def check_e2e(device: str, run: Run) -> tuple[bool, str]:
@@ -192,7 +193,7 @@ def check_e2e(device: str, run: Run) -> tuple[bool, str]:
     versions = sorted(p for p in (run.dir / "checkpoints").glob("v*") if p.name[1:].isdigit())
     if len(versions) < 2:
         return False, f"{len(versions)} checkpoint(s) in {run.dir / 'checkpoints'}: version 0 and the last are needed"
-    before, after = heldout_loss(versions[0]), heldout_loss(versions[-1])
+    before, after = heldout_losses([versions[0], versions[-1]])
     accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     evals = f", eval accuracy {accuracy[0]:.2f} -> {accuracy[-1]:.2f}" if accuracy else ""
     return len(rewards) == run.steps and after < before, (

@@ -109,6 +109,7 @@ def serve(request_fd: int, reply_fd: int, modules: Sequence[str]) -> dict[str, A
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears SIGCHLD
     _write(reply_fd, {"ready": True})
+    launcher = os.getpid()  # the parent every forked service checks it still has
     pending = b""
     while True:
         readable, _, _ = select.select([request_fd, wake_r], [], [], 5.0)
@@ -126,7 +127,6 @@ def serve(request_fd: int, reply_fd: int, modules: Sequence[str]) -> dict[str, A
             request: dict[str, Any] = json.loads(line)
             sys.stdout.flush()
             sys.stderr.flush()
-            launcher = os.getpid()
             pid = os.fork()
             if pid == 0:
                 _become_service(request, (request_fd, reply_fd, wake_r, wake_w), launcher)
