@@ -12,9 +12,14 @@ quarter prompt, the rest reply with loss), for a Qwen3-architecture model of ``-
 2. ``--minibatches`` M (default 4) optimizer steps per batch (``train.minibatches_per_batch``, loss
    ``--loss``, default ``decoupled``, the E4 setting):
    * trainer: ``Learner.train_step([batch])`` with M minibatches — which adds the proximal pass: one
-     forward without gradient over minibatches 1..M-1, before the first update;
+     forward without gradient over minibatches 1..M-1, before the first update
+     (``train.proximal_logprobs: recompute``); for a loss that reads the proximal policy, also the trainer
+     with ``loglinear``, which estimates it instead (no extra forward);
    * baseline: M plain forward/backward/AdamW steps, one per minibatch (the same rows the trainer puts
      in each), on the same data.
+
+The batch's reply tokens were sampled 1 to 4 versions before the one trained (the E4 regime), so the
+log-linear estimate interpolates.
 
 Every forward takes a whole minibatch (``micro_batch_size`` = its rows). Ratios are trainer tokens/s ÷
 baseline tokens/s over the batch's tokens; 1.0 means the GRPO machinery costs nothing extra. Case 2
@@ -45,6 +50,7 @@ from shared.modeling import ModelSpec, build_model  # noqa: E402
 from shared.schemas import Batch, RolloutGroup, Sample, Window  # noqa: E402
 
 VOCAB = 100
+CURRENT = 4  # the version trained: the replies are 1 to 4 versions behind it
 
 
 def make_batch(groups: int, samples: int, tokens: int, seed: int = 0) -> Batch:
@@ -57,7 +63,7 @@ def make_batch(groups: int, samples: int, tokens: int, seed: int = 0) -> Batch:
             mask = [0] * n_prompt + [1] * (tokens - n_prompt)
             group.append(Sample(traj_id=f"g{g}-t{s}", token_ids=[rng.randrange(4, VOCAB) for _ in range(tokens)],
                                 loss_mask=mask, logprobs=[-rng.uniform(0.5, 3.0) * m for m in mask],
-                                token_versions=["-1"] * n_prompt + ["0"] * (tokens - n_prompt),
+                                token_versions=["-1"] * n_prompt + [str(s % 4)] * (tokens - n_prompt),
                                 reward=float(s % 3) / 2))
         out.append(RolloutGroup(group_id=f"g{g}", prompt_id=f"p{g}", attempt=0, status="completed", samples=group))
     return Batch(batch_id="bench", groups=out, window=Window(keep_versions=0))
@@ -123,6 +129,9 @@ def main() -> int:
     cfg = TrainConfig(micro_batch_size=max(len(p) for p in parts), lr=1e-5, minibatches_per_batch=m,
                       policy_loss=args.loss)
     learner = Learner(build_model(spec, VOCAB, 0, 2, seed=0), cfg, pad_id=0)
+    estimating = cfg.policy_loss == "decoupled"  # the losses that read a proximal policy (tis_cap aside)
+    fast = Learner(build_model(spec, VOCAB, 0, 2, seed=0),
+                   cfg.model_copy(update={"proximal_logprobs": "loglinear"}), pad_id=0) if estimating else None
     base_model = build_model(spec, VOCAB, 0, 2, seed=0).train()
     padded = [collate(p, pad_id=0) for p in parts]
 
@@ -131,12 +140,16 @@ def main() -> int:
             for t in padded[1:]:
                 base_model(input_ids=t.input_ids, attention_mask=t.attention_mask)
 
-    o, b, f = median_rates([lambda: learner.train_step([batch]), plain_steps(base_model, padded), proximal_forward],
-                           n_tokens, args.rounds)
+    steps = [lambda: learner.train_step([batch], CURRENT), plain_steps(base_model, padded), proximal_forward]
+    if fast is not None:
+        steps.append(lambda: fast.train_step([batch], CURRENT))
+    o, b, f, *ll = median_rates(steps, n_tokens, args.rounds)
     print(f"{m} minibatches per batch ({args.loss}): trainer {o:10.0f} tokens/s; {m} plain forward/backward/AdamW "
           f"steps {b:10.0f} tokens/s; ratio {o / b:.2f}")
     print(f"  a no-grad forward over minibatches 1..{m - 1} (the proximal pass) costs {100 * b / f:.0f} % of the "
           f"{m} plain steps' time; ratio without it {(1 / b) / (1 / o - 1 / f):.2f} (estimate)")
+    if ll:
+        print(f"  proximal_logprobs loglinear (no proximal pass): trainer {ll[0]:10.0f} tokens/s; ratio {ll[0] / b:.2f}")
     return 0
 
 

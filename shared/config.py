@@ -342,6 +342,11 @@ class TrainConfig(Section):
     # schedule step), every epoch; still one published version per batch. 1 and 1: one optimizer step per batch
     minibatches_per_batch: int = Field(default=1, ge=1, le=1024)
     epochs_per_batch: int = Field(default=1, ge=1, le=64)  # passes over the batch's minibatches
+    # Several optimizer steps per batch, the decoupled loss (or tis_cap): where the proximal log-probabilities of
+    # minibatches 1.. come from. recompute: a forward without gradient over them before the first update (exact;
+    # train/proximal_approx_abs_err then says how far loglinear would have been). loglinear: no extra forward,
+    # AReaL's interpolation between each token's behaviour log-probability and the current one by version gap
+    proximal_logprobs: Literal["recompute", "loglinear"] = "recompute"
     staleness_weight: Literal["off", "exp", "inverse"] = "off"  # a trajectory's loss weight by its version gap
     staleness_lambda: float = Field(default=0.5, ge=0, le=100)  # exp: exp(-lambda*gap); inverse: 1/(1+lambda*gap)
 
@@ -369,6 +374,9 @@ class TrainConfig(Section):
         if self.policy_loss == "decoupled" and self.tis_cap is not None:
             raise ValueError("train.policy_loss 'decoupled' truncates its weight at train.behaviour_weight_cap: "
                              "leave train.tis_cap unset (clipped + tis_cap is the same objective)")
+        if self.proximal_logprobs == "loglinear" and self.policy_loss != "decoupled" and self.tis_cap is None:
+            raise ValueError(f"train.proximal_logprobs 'loglinear' approximates the proximal policy of the decoupled "
+                             f"loss (or tis_cap); train.policy_loss {self.policy_loss!r} does not use one")
         return self
 
     # --- scale-out (torchrun) ---

@@ -29,7 +29,7 @@ from services.trainer.loss import sample_advantages, train_masks, trajectory_rew
 from shared.errors import DressageError
 from shared.schemas import Batch, RolloutGroup
 from shared.staleness import trajectory_version_infos, trajectory_version_span
-from shared.versions import versions_behind
+from shared.versions import real_version, versions_behind
 
 
 class InvalidBatch(DressageError):
@@ -46,6 +46,7 @@ class TrainRow:
     advantage: float  # GRPO advantage of the sample's trajectory
     weight: float = 1.0  # staleness weight of the sample's trajectory (1 = unweighted)
     diff_mask: list[int] | None = None  # the mask before the non-last-version mask (None: not masked)
+    gaps: list[int] | None = None  # per token, versions behind the proximal policy (``token_gaps``; None: not asked)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Tensors:
     advantages: torch.Tensor  # float32 [B]
     weights: torch.Tensor  # float32 [B], the rows' staleness weights
     diff_mask: torch.Tensor | None = None  # float, 1 on response tokens before the version mask (None: unmasked)
+    gaps: torch.Tensor | None = None  # float, each token's version gap (None: the rows carry none)
 
 
 def validate_batch(batch: Batch, vocab_size: int, max_len: int) -> None:
@@ -108,11 +110,13 @@ def validate_batch(batch: Batch, vocab_size: int, max_len: int) -> None:
 
 
 def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool,
-               current_version: int | None = None, weight: Callable[[int], float] | None = None) -> StepRows:
+               current_version: int | None = None, weight: Callable[[int], float] | None = None, *,
+               with_gaps: bool = False) -> StepRows:
     """Rows, trajectory rewards and group counts of one optimizer step.
 
     With ``weight`` and ``current_version``, each row carries ``weight(gap)`` of its trajectory's gap
-    (``trajectory_gaps``); a trajectory without a numbered end version weighs ``weight(0)``.
+    (``trajectory_gaps``); a trajectory without a numbered end version weighs ``weight(0)``. With
+    ``with_gaps``, each row carries every token's gap (``token_gaps``).
     """
     out = StepRows()
     for batch in batches:
@@ -129,8 +133,21 @@ def build_rows(batches: Sequence[Batch], std_normalize: bool, mask_nonlast: bool
             gaps = trajectory_gaps(group, current_version) if weight and current_version is not None else {}
             for s, adv, mask, full in zip(samples, advantages, masks, unmasked, strict=True):
                 w = weight(gaps.get(s.traj_id, 0)) if weight else 1.0
-                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv, w, full))
+                per_token = token_gaps(s.token_versions, current_version) if with_gaps else None
+                out.rows.append(TrainRow(list(s.token_ids), mask, list(s.logprobs), adv, w, full, per_token))
     return out
+
+
+def token_gaps(labels: Sequence[str], current_version: int | None) -> list[int]:
+    """Per token, how many versions its label is behind ``current_version``, at least 0; 0 for a label
+    without a number (context tokens, a foreign label) and for every token when there is no current version."""
+    if current_version is None:
+        return [0] * len(labels)
+    gaps = []
+    for label in labels:
+        real = real_version(label)
+        gaps.append(0 if real is None else max(0, versions_behind(current_version, real) or 0))
+    return gaps
 
 
 def minibatches(rows: Sequence[TrainRow], n: int) -> list[list[TrainRow]]:
@@ -156,6 +173,7 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
     mask = torch.zeros((n, width), dtype=torch.float32)
     logp = torch.zeros((n, width), dtype=torch.float32)
     diff_mask = torch.zeros((n, width), dtype=torch.float32) if any(r.diff_mask is not None for r in rows) else None
+    gaps = torch.zeros((n, width), dtype=torch.float32) if any(r.gaps is not None for r in rows) else None
     for b, r in enumerate(rows):
         k = len(r.token_ids)
         input_ids[b, :k] = torch.tensor(r.token_ids, dtype=torch.long)
@@ -164,10 +182,13 @@ def collate(rows: Sequence[TrainRow], pad_id: int, device: torch.device | str = 
         logp[b, :k] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
         if diff_mask is not None:
             diff_mask[b, :k] = torch.tensor(r.mask if r.diff_mask is None else r.diff_mask, dtype=torch.float32)
+        if gaps is not None and r.gaps is not None:
+            gaps[b, :k] = torch.tensor(r.gaps, dtype=torch.float32)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     weights = torch.tensor([r.weight for r in rows], dtype=torch.float32)
     return Tensors(input_ids.to(device), attention.to(device), mask.to(device), logp.to(device), adv.to(device),
-                   weights.to(device), None if diff_mask is None else diff_mask.to(device))
+                   weights.to(device), None if diff_mask is None else diff_mask.to(device),
+                   None if gaps is None else gaps.to(device))
 
 
 def version_gap_hist(batches: Sequence[Batch], current_version: int) -> dict[str, int]:

@@ -23,7 +23,11 @@ Invariants:
   ``loss.offpolicy_sums``) is measured once per token on the proximal policy, whatever the loss, so arms
   with different losses or minibatch counts report comparable numbers; per-update quantities (loss,
   clip fraction, grad norm, TIS weight, KL) are averaged over the step's optimizer steps;
-* the decoupled loss (and TIS) takes its ratio against those proximal log-probabilities;
+* the decoupled loss (and TIS) takes its ratio against those proximal log-probabilities; with
+  ``train.proximal_logprobs: loglinear`` there is no proximal pass: minibatches 1.. (and every later epoch's
+  minibatches but the first) estimate them from their own forward (``loss.loglinear_proximal``), and the
+  batch's pre-update diagnostics of minibatch k come from its own first forward, k updates later. Under
+  ``recompute`` the estimate is still computed beside the exact values, as ``train/proximal_approx_abs_err``;
 * a gradient that is not finite skips its optimizer step (weights unchanged) and says so.
 
 Under ``torchrun`` (``services.trainer.parallel``) rank 0's ``train_step`` deals each minibatch's rows to
@@ -58,6 +62,7 @@ from services.trainer.loss import (
     LossConfig,
     entropy_sum,
     ess,
+    loglinear_proximal,
     logprob_abs_diff_sum,
     offpolicy_sums,
     policy_loss,
@@ -75,7 +80,7 @@ from shared.toolcalls import tool_call_metrics
 log = logging.getLogger(__name__)
 
 SUM_KEYS = ("entropy", "clip_frac", "logprob_abs_diff_all", "kl", "tis_weight", "staleness_weight",
-            *OFFPOLICY_SUMS)  # reduced over ranks
+            "proximal_approx_abs_err", "proximal_approx_tokens", *OFFPOLICY_SUMS)  # reduced over ranks
 
 
 @dataclass
@@ -130,6 +135,11 @@ class Learner:
         # the cap train/behaviour_weight_truncated_frac counts against: the loss's own, else behaviour_weight_cap
         self.diagnostic_cap = self.loss_cfg.weight_cap or cfg.behaviour_weight_cap
         self.weighted = cfg.staleness_weight != "off"  # soft staleness weights (loss.staleness_weight)
+        several = cfg.minibatches_per_batch * cfg.epochs_per_batch > 1
+        # the loss reads a proximal policy that differs from the one being stepped: the rows carry token gaps, for
+        # loglinear_proximal (the estimate itself, or its error beside the recomputed one)
+        self.proximal_gaps = several and self.loss_cfg.weight_cap is not None
+        self.loglinear = self.proximal_gaps and cfg.proximal_logprobs == "loglinear"
         self.step = 0  # trainer steps: one per batch
         self.optimizer_steps = 0  # minibatches_per_batch × epochs_per_batch per trainer step
 
@@ -167,7 +177,7 @@ class Learner:
         t0 = time.perf_counter()
         weigh = partial(staleness_weight, family=self.cfg.staleness_weight, lam=self.cfg.staleness_lambda)
         data = build_rows(batches, self.cfg.std_normalize, self.cfg.mask_nonlast_version_tokens,
-                          current_version, weigh if self.weighted else None)
+                          current_version, weigh if self.weighted else None, with_gaps=self.proximal_gaps)
         n_tokens = data.loss_tokens
         plan = split_step(data.rows, self.parallel.world, self.cfg.minibatches_per_batch, self.micro_batch_rows)
         mine = self.parallel.command("step", plan).shards if self.parallel.distributed else plan[0]
@@ -211,6 +221,8 @@ class Learner:
             metrics["train/tis_weight_mean"] = sums["tis_weight"] / per_update
         if self.weighted:
             metrics["train/staleness_weight_mean"] = sums["staleness_weight"] / per_update
+        if sums["proximal_approx_tokens"] > 0:  # recomputed: how far the log-linear estimate was from it
+            metrics["train/proximal_approx_abs_err"] = sums["proximal_approx_abs_err"] / sums["proximal_approx_tokens"]
         if self.cfg.mask_nonlast_version_tokens:  # the diff above covers last-version tokens only
             metrics["train/train_rollout_logprob_abs_diff_all"] = sums["logprob_abs_diff_all"] / max(data.diff_tokens, 1)
         return metrics
@@ -227,7 +239,7 @@ class Learner:
         chunks = [self._chunks(s) for s in shards]
         proximal: list[list[torch.Tensor | None]] = [[None] * len(c) for c in chunks]
         sums: dict[str, float] = defaultdict(float)
-        if several:
+        if several and not self.loglinear:
             for k in range(1, len(shards)):
                 proximal[k] = [self._proximal(chunk, sums) for chunk in chunks[k]]
         scale = float(self.parallel.world)  # torch averages gradients over ranks; the loss is a global sum
@@ -236,7 +248,10 @@ class Learner:
         lr, skipped = 0.0, 0
         updates = [(epoch, k) for epoch in range(self.cfg.epochs_per_batch) for k in range(len(shards))]
         for u, (epoch, k) in enumerate(updates):
-            first = epoch == 0 and k == 0  # the policy before the step's first update: the batch's diagnostics
+            # this forward gives the batch's diagnostics: the policy before the step's first update, or under
+            # loglinear (no proximal pass) each minibatch's first forward, k updates later
+            first = epoch == 0 and (k == 0 or self.loglinear)
+            progress = u / len(updates)  # how far the policy being stepped has moved towards the next version
             self.optimizer.zero_grad(set_to_none=True)
             clipped.append(0.0)
             for c, chunk in enumerate(chunks[k]):
@@ -249,12 +264,20 @@ class Learner:
                         logits = self.module(input_ids=t.input_ids, attention_mask=t.attention_mask,
                                              use_cache=False).logits
                         logp = token_logprobs(logits, t.input_ids)
+                        prox = proximal[k][c]
+                        if self.proximal_gaps and u > 0 and t.gaps is not None:
+                            estimate = loglinear_proximal(logp, t.rollout_logp, t.gaps, progress)
+                            if prox is None:  # loglinear: the estimate stands in for the proximal pass
+                                prox = estimate
+                            elif epoch == 0 and k > 0:  # recomputed: measure the estimate against it
+                                sums["proximal_approx_abs_err"] += float(((estimate - prox).abs() * t.mask).sum())
+                                sums["proximal_approx_tokens"] += float(t.mask.sum())
                         parts = policy_loss(logp, t.rollout_logp, t.advantages, t.mask, shards[k].loss_tokens,
                                             self.loss_cfg, self._ref_logprobs(t.input_ids, t.attention_mask),
-                                            t.weights if self.weighted else None, proximal[k][c])
+                                            t.weights if self.weighted else None, prox)
                     if first:
                         self._diagnose(logits.detach(), logp.detach(), t, sums)
-                        if self.cfg.epochs_per_batch > 1:
+                        if k == 0 and self.cfg.epochs_per_batch > 1:
                             proximal[k][c] = logp.detach()  # minibatch 0's proximal policy, for the later epochs
                     del logits
                     if not self.parallel.is_leader:

@@ -22,7 +22,9 @@ optimizer step per batch the proximal policy is ``logp`` itself, detached; with 
 (``train.minibatches_per_batch``/``epochs_per_batch``) the learner computes it once before the first
 update and passes it in. The decoupled loss (and TIS, which is the same objective) takes the PPO ratio
 against the proximal policy and corrects for the behaviour policy with the truncated importance weight
-``min(exp(proximal_logp - rollout_logp), cap)``; ``offpolicy_sums`` measures that weight.
+``min(exp(proximal_logp - rollout_logp), cap)``; ``offpolicy_sums`` measures that weight. With
+``train.proximal_logprobs: loglinear`` the learner skips that forward and ``loglinear_proximal``
+approximates the proximal log-probabilities from the behaviour ones and the current ones.
 """
 
 from __future__ import annotations
@@ -269,6 +271,26 @@ def policy_loss(
     loss = (per_token * mask).sum() / denom
     sums["clip_frac"] = float((clipped * mask).sum())
     return LossParts(loss=loss, sums=sums)
+
+
+@torch.no_grad()
+def loglinear_proximal(logp: torch.Tensor, rollout_logp: torch.Tensor, gaps: torch.Tensor,
+                       progress: float) -> torch.Tensor:
+    """AReaL's log-linear approximation of the proximal log-probabilities, without a forward pass.
+
+    A token sampled ``gap`` versions before the proximal policy (version ``v``) sits on a line of
+    versions from its behaviour policy (``v - gap``) to the policy being stepped, which has moved
+    ``progress`` of the way from ``v`` to ``v + 1`` (``u / U`` at the batch's ``u``-th of ``U`` optimizer
+    steps). Interpolating the log-probability along that line, ``alpha = gap / (gap + progress)`` and
+    ``proximal = rollout_logp + alpha * (logp - rollout_logp)``: a token of the proximal version itself
+    (``gap`` 0) gets its behaviour log-probability, a very stale one nearly ``logp``. ``progress`` must be
+    above 0 (at the first optimizer step the policy being stepped *is* the proximal one).
+    """
+    if progress <= 0:
+        raise ValueError(f"progress must be above 0, got {progress}")
+    g = gaps.to(logp.dtype).clamp(min=0)
+    alpha = g / (g + progress)
+    return rollout_logp + alpha * (logp.detach() - rollout_logp)
 
 
 # --- off-policy diagnostics -------------------------------------------------------------------

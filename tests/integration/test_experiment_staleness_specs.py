@@ -70,6 +70,8 @@ def test_offpolicy_spec_crosses_eta_loss_and_staleness_control_at_4_minibatches(
     assert {(8, "naive", "keep0", 1), (8, "clipped", "keep0", 1)} <= arms  # the span cap at the highest eta
     steered = {r.config["window_controller"]["signal"] for r in spec.runs if r.config["window_controller"].get("enabled")}
     assert steered == {"logprob_diff", "mismatch_kl", "ess"}  # the adaptive window, by each measure
+    estimated = [r.config for r in spec.runs if r.config["train"].get("proximal_logprobs") == "loglinear"]
+    assert {(c["pacing"]["max_versions_ahead"], c["train"]["policy_loss"]) for c in estimated} == {(8, "decoupled")}
     quick = load_spec(spec_path("offpolicy"), quick=True)
     assert {r.config["staleness"]["mode"] for r in quick.runs} == {"drop", "wait"}
 
