@@ -18,7 +18,7 @@ from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
 from shared.config import DressageConfig
 from shared.entry import run_service
-from shared.modeling import load_model, load_tokenizer, stop_token_ids
+from shared.modeling import load_model, load_tokenizer, pad_token_id, stop_token_ids
 from shared.serving import serve
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def build_service(cfg: DressageConfig) -> EngineService:
     eos = set(stop_token_ids(tok))
     gen_eos = model.generation_config.eos_token_id
     eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    runner = ModelRunner(model, pad_token_id=int(tok.pad_token_id or 0))
+    runner = ModelRunner(model, pad_token_id=pad_token_id(tok))
     sched = Scheduler(runner, weight_version=ec.weight_version, model_path=model_path,
                       max_batch_size=ec.max_batch_size, max_queue=ec.max_queue,
                       max_prefill_tokens=ec.max_prefill_tokens, seed=ec.seed,

@@ -28,7 +28,7 @@ from services.trainer.sinks import MetricSinks
 from shared import stats
 from shared.config import DressageConfig
 from shared.lifecycle import StopFlag
-from shared.modeling import load_model, load_tokenizer, missing_files
+from shared.modeling import load_model, load_tokenizer, missing_files, pad_token_id
 from shared.precision import compute_dtype, weight_dtype
 from shared.telemetry import prometheus_port
 from shared.versionbus import read_latest
@@ -65,7 +65,7 @@ def open_trainer(cfg: DressageConfig, r: redis.Redis, stop: StopFlag | None = No
     tokenizer = load_tokenizer(plan.weights_from)
     ref_model = (load_model(cfg.model.path, device=device, dtype=compute_dtype(tc.precision))
                  if tc.kl_coef > 0 else None)
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    pad_id = pad_token_id(tokenizer)
     learner = Learner(model, tc, pad_id, ref_model, parallel)
     if restored is not None:
         learner.load_state_dict(restored["learner"])

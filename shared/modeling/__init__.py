@@ -33,6 +33,7 @@ _HOME = {
     "load_model": "shared.modeling.loading",
     "load_tokenizer": "shared.modeling.loading",
     "missing_files": "shared.modeling.loading",
+    "pad_token_id": "shared.modeling.loading",
     "parse_dtype": "shared.modeling.loading",
     "read_build_info": "shared.modeling.build",
     "save_tokenizer": "shared.modeling.tokenizer",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
         load_model,
         load_tokenizer,
         missing_files,
+        pad_token_id,
         parse_dtype,
         stop_token_ids,
     )
@@ -96,6 +98,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "missing_files",
+    "pad_token_id",
     "parse_dtype",
     "read_build_info",
     "save_tokenizer",

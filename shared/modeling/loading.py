@@ -199,6 +199,11 @@ def _segmented_ids(tokenizer: PreTrainedTokenizerBase, dicts: list[dict[str, Any
     return [int(i) for i in ids]
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads a batch: the tokenizer's pad token, or 0 when it has none (padding carries no loss)."""
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else 0
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Ids that end an assistant turn: eos plus ChatML's end markers where the vocab has them."""
     ids: list[int] = []

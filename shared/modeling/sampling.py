@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from shared.modeling.loading import chat_input_ids, stop_token_ids
+from shared.modeling.loading import chat_input_ids, pad_token_id, stop_token_ids
 
 Messages = Sequence[Mapping[str, Any] | Any]
 
@@ -53,7 +53,7 @@ def generate_batch(
     if not conversations:
         return []
     prompts = [chat_input_ids(tokenizer, c, tools=tools, template_kwargs=template_kwargs) for c in conversations]
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    pad_id = pad_token_id(tokenizer)
     width = max(len(p) for p in prompts)
     device = next(model.parameters()).device
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from shared.modeling.loading import chat_input_ids
+from shared.modeling.loading import chat_input_ids, pad_token_id
 from shared.modeling.sampling import generate_batch
 from shared.tasks.base import DemoTurn, Task, start_episode
 from shared.tasks.plugin import PluginTask
@@ -223,7 +223,7 @@ def warm_start_model(
     examples = demonstration_examples(task, train_rows, tokenizer, guess_share)
     if steps and not examples:
         raise ValueError(f"task {task.name!r}: no demonstrations to train on")
-    pad_id = int(tokenizer.pad_token_id or 0)
+    pad_id = pad_token_id(tokenizer)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, min(20, steps // 10))
