@@ -17,11 +17,12 @@ def trainer_row(step: int, ess: float, truncated: float, clip_mean: float, clip_
 def test_columns_are_means_over_steps_and_the_lowest_ess() -> None:
     rows = [trainer_row(1, 0.9, 0.0, 0.1, 0.2, 0.01), trainer_row(2, 0.5, 0.1, 0.3, 0.6, 0.03),
             {"service": "eval", "eval/accuracy": 0.5}]
+    rows[1]["train/proximal_approx_abs_err"] = 0.02  # reported by recompute runs only: a mean over the steps that have it
     cols = offpolicy.split(rows).columns()
     assert list(cols) == list(offpolicy.COLUMNS)
     assert cols == {"ess_mean": pytest.approx(0.7), "ess_min": 0.5, "truncated_frac_mean": pytest.approx(0.05),
                     "clip_frac_mb_mean": pytest.approx(0.2), "clip_frac_mb_max": pytest.approx(0.4),
-                    "mismatch_kl_mean": pytest.approx(0.02)}
+                    "mismatch_kl_mean": pytest.approx(0.02), "prox_approx_err_mean": pytest.approx(0.02)}
 
 
 def test_a_run_without_the_diagnostics_has_empty_columns_and_dashes() -> None:

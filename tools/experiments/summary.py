@@ -34,7 +34,7 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
 * a trained group's age split into time in flight and time queued (``in_flight_s_mean``,
   ``queued_*_s_mean``) beside the trainer's version gap and the gap at the cut (``tools.reports.agesplit``);
 * how off-policy the trained data was (``ess_mean``, ``ess_min``, ``truncated_frac_mean``, ``clip_frac_mb_*``,
-  ``mismatch_kl_mean``: the trainer's per-step diagnostics, ``tools.reports.offpolicy``).
+  ``mismatch_kl_mean``, ``prox_approx_err_mean``: the trainer's per-step diagnostics, ``tools.reports.offpolicy``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ tokens (docs/metrics.md, "Off-policy diagnostics"):
 * ``train/behaviour_weight_truncated_frac``: share of those weights above the cap;
 * ``train/clip_frac_minibatch_mean`` / ``_max``: the PPO clip fraction of each of the step's optimizer
   steps, averaged / maximised over them;
-* ``train/mismatch_kl``: the k3 estimate of KL(behaviour || proximal).
+* ``train/mismatch_kl``: the k3 estimate of KL(behaviour || proximal);
+* ``train/proximal_approx_abs_err``: how far AReaL's log-linear estimate of the proximal log-probabilities
+  is from the recomputed ones (only under ``train.proximal_logprobs: recompute`` with several optimizer
+  steps and a loss that reads the proximal policy).
 
 Per run (a row of ``summary.csv``, lines of ``dressage report``), each is the mean over the steps that
 report it, and ``ess_min`` the lowest step: a collapse shows as a low minimum before it shows in the mean.
@@ -28,7 +31,9 @@ TRUNCATED = "train/behaviour_weight_truncated_frac"
 CLIP_MB_MEAN = "train/clip_frac_minibatch_mean"
 CLIP_MB_MAX = "train/clip_frac_minibatch_max"
 MISMATCH_KL = "train/mismatch_kl"
-COLUMNS = ("ess_mean", "ess_min", "truncated_frac_mean", "clip_frac_mb_mean", "clip_frac_mb_max", "mismatch_kl_mean")
+APPROX_ERR = "train/proximal_approx_abs_err"
+COLUMNS = ("ess_mean", "ess_min", "truncated_frac_mean", "clip_frac_mb_mean", "clip_frac_mb_max", "mismatch_kl_mean",
+           "prox_approx_err_mean")
 
 
 @dataclass(frozen=True)
@@ -40,20 +45,21 @@ class OffPolicy:
     clip_frac_mb_mean: float | None = None  # mean over steps of the step's mean over its optimizer steps
     clip_frac_mb_max: float | None = None  # mean over steps of the step's max over its optimizer steps
     mismatch_kl: float | None = None
+    approx_err: float | None = None  # log-linear estimate vs recomputed proximal logprobs, nats per token
 
     def columns(self) -> dict[str, float | None]:
         return dict(zip(COLUMNS, (self.ess_mean, self.ess_min, self.truncated_frac, self.clip_frac_mb_mean,
-                                  self.clip_frac_mb_max, self.mismatch_kl), strict=True))
+                                  self.clip_frac_mb_max, self.mismatch_kl, self.approx_err), strict=True))
 
 
 def split(rows: Sequence[Row]) -> OffPolicy:
     trainer = trainer_rows(rows)
     seen = {name: [v for v in (number(r.get(name)) for r in trainer) if v is not None]
-            for name in (ESS, TRUNCATED, CLIP_MB_MEAN, CLIP_MB_MAX, MISMATCH_KL)}
+            for name in (ESS, TRUNCATED, CLIP_MB_MEAN, CLIP_MB_MAX, MISMATCH_KL, APPROX_ERR)}
     mean = {name: sum(vs) / len(vs) if vs else None for name, vs in seen.items()}
     return OffPolicy(steps=len(seen[ESS]), ess_mean=mean[ESS], ess_min=min(seen[ESS], default=None),
                      truncated_frac=mean[TRUNCATED], clip_frac_mb_mean=mean[CLIP_MB_MEAN],
-                     clip_frac_mb_max=mean[CLIP_MB_MAX], mismatch_kl=mean[MISMATCH_KL])
+                     clip_frac_mb_max=mean[CLIP_MB_MAX], mismatch_kl=mean[MISMATCH_KL], approx_err=mean[APPROX_ERR])
 
 
 def summary_pairs(s: OffPolicy) -> list[tuple[str, str]]:
@@ -65,4 +71,5 @@ def summary_pairs(s: OffPolicy) -> list[tuple[str, str]]:
             ("behaviour weights above the cap (share of loss tokens), mean", f(s.truncated_frac, 4)),
             ("clip fraction per optimizer step: mean / max within a step (mean over steps)",
              f"{f(s.clip_frac_mb_mean)} / {f(s.clip_frac_mb_max)}"),
-            ("mismatch KL(behaviour || proximal), k3, mean", f(s.mismatch_kl, 4))]
+            ("mismatch KL(behaviour || proximal), k3, mean", f(s.mismatch_kl, 4)),
+            ("log-linear proximal estimate's error (nats per token), mean", f(s.approx_err, 4))]
