@@ -220,7 +220,11 @@ def poll(r: redis.Redis, keys: Keys, h: History, cursors: dict[str, str], count:
 
 
 def _consumed(r: redis.Redis, stream: str, group: str, ids: list[str]) -> tuple[set[str], tuple[int, int] | None]:
-    """(entries of ``stream`` that ``group`` has not finished: pending or undelivered, its last-delivered id)."""
+    """(entries of ``stream`` that ``group`` has not finished: pending or undelivered, its last-delivered id).
+
+    Only entries of ``ids`` (the snapshot read before): on a live stack an entry added and delivered after
+    the snapshot is already pending here, and it belongs to the next snapshot (trimming never removes a
+    pending entry, so a pending id outside ``ids`` is newer than every one of them)."""
     try:
         infos = {_s(g["name"]): g for g in r.xinfo_groups(stream)}
     except redis.ResponseError:
@@ -229,7 +233,9 @@ def _consumed(r: redis.Redis, stream: str, group: str, ids: list[str]) -> tuple[
         return set(ids), None
     last = _id(infos[group]["last-delivered-id"])
     live = {i for i in ids if _id(i) > last}
-    live.update(_s(p["message_id"]) for p in r.xpending_range(stream, group, min="-", max="+", count=1_000_000))
+    known = set(ids)
+    pending = (_s(p["message_id"]) for p in r.xpending_range(stream, group, min="-", max="+", count=1_000_000))
+    live.update(i for i in pending if i in known)
     return live, last
 
 
