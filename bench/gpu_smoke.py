@@ -51,7 +51,7 @@ from services.engine.runner import ModelRunner  # noqa: E402
 from services.trainer.learner import Learner  # noqa: E402
 from services.trainer.modeldir import ModelDirWriter  # noqa: E402
 from shared.config import TrainConfig, load_config  # noqa: E402
-from shared.modeling import load_model, load_tokenizer  # noqa: E402
+from shared.modeling import load_model, load_tokenizer, pad_token_id  # noqa: E402
 from shared.modeling.warmstart import demonstration_examples, sequence_loss  # noqa: E402
 from shared.precision import Precision  # noqa: E402
 from shared.schemas import Batch  # noqa: E402
@@ -172,7 +172,7 @@ def heldout_losses(checkpoints: Sequence[Path], n_rows: int = HELDOUT_ROWS) -> l
     tokenizer = load_tokenizer(checkpoints[0])
     examples = demonstration_examples(get_task(cfg.model.task), rows, tokenizer)
     with torch.no_grad():
-        return [float(sequence_loss(load_model(c, device="cpu"), examples, pad_id=tokenizer.pad_token_id or 0))
+        return [float(sequence_loss(load_model(c, device="cpu"), examples, pad_id=pad_token_id(tokenizer)))
                 for c in checkpoints]
 
 

@@ -265,11 +265,14 @@ class Learner:
                                              use_cache=False).logits
                         logp = token_logprobs(logits, t.input_ids)
                         prox = proximal[k][c]
-                        if self.proximal_gaps and u > 0 and t.gaps is not None:
+                        # loglinear: the estimate stands in for the proximal pass; recomputed: it is measured
+                        # against the exact values, once per token (the first epoch's minibatches 1..)
+                        wanted = prox is None or (epoch == 0 and k > 0)
+                        if self.proximal_gaps and u > 0 and t.gaps is not None and wanted:
                             estimate = loglinear_proximal(logp, t.rollout_logp, t.gaps, progress)
-                            if prox is None:  # loglinear: the estimate stands in for the proximal pass
+                            if prox is None:
                                 prox = estimate
-                            elif epoch == 0 and k > 0:  # recomputed: measure the estimate against it
+                            else:
                                 sums["proximal_approx_abs_err"] += float(((estimate - prox).abs() * t.mask).sum())
                                 sums["proximal_approx_tokens"] += float(t.mask.sum())
                         parts = policy_loss(logp, t.rollout_logp, t.advantages, t.mask, shards[k].loss_tokens,
