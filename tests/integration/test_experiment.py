@@ -3,7 +3,7 @@
 The runner is SIGKILLed while its second run is going (its ``dressage up`` keeps running, orphaned),
 then started again with ``--jobs 2``: the finished run is skipped, the interrupted one is stopped and
 run again from scratch, two runs go at once (own prefixes, Redis servers and ports), and summary.csv
-ends with exactly one row per run. On the recorded runs the trainer's four
+ends with exactly one row per run, each naming the model build it started from. On the recorded runs the trainer's four
 phases (waiting for a batch, training, checkpointing, publishing) account for its wall-clock
 within 5 %.
 """
@@ -22,6 +22,8 @@ import pytest
 import yaml
 from paths import REPO
 from waits import wait_for
+
+from tools.experiments.build import model_build
 
 
 def tiny_spec(tmp_path: Path, model: Path) -> Path:
@@ -77,6 +79,8 @@ def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path:
     assert not (second / "child.json").exists()  # settled: the re-run finished
     with pytest.raises(ProcessLookupError):
         os.kill(orphan, 0)  # the orphaned run was stopped before its folder was reused
+    build = model_build(model_dir)
+    assert build is not None
     with (root / "summary.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert sorted((r["variant"], r["seed"]) for r in rows) == [("async", "0"), ("async", "1"), ("sync", "0"),
@@ -86,9 +90,11 @@ def test_killed_experiment_resumes_without_duplicates_and_time_adds_up(tmp_path:
         phases = sum(float(r[f"trainer_{p}_frac"]) for p in ("wait", "train", "checkpoint", "publish"))
         assert 0.95 <= phases <= 1.0 + 1e-6, r  # the decomposition sums to the trainer's wall-clock
         assert 0.0 <= float(r["engine_busy_frac"]) <= 1.0
+        assert r["model_build"] == build, r  # every run records the weights it started from
     for name in ("report.html", "results.md", "learning_vs_step.png", "learning_vs_wallclock.png",
                  "logprob_diff.png", "version_gap.png", "version_span.png", "time_split.png"):
         assert (root / name).stat().st_size > 0, name
     results = (root / "results.md").read_text()
     assert "dressage experiment" in results and "git commit" in results and "cores" in results
     assert "async/sync wall-clock to 2 steps:" in results
+    assert f"- model build: {build}\n" in results

@@ -12,7 +12,7 @@ from paths import REPO
 from shared.window_decisions import DecisionRecord
 from tools.experiments import summary as summ
 from tools.experiments.report import add_time_to_baseline, age_table, drop_bias_table, headline, ratios
-from tools.experiments.spec import load_spec
+from tools.experiments.spec import SpecError, load_spec
 
 
 def trainer(step: int, wall: float, reward: float, ts: float) -> dict[str, Any]:
@@ -148,3 +148,24 @@ def test_whom_the_controls_drop_and_the_age_split_reach_the_row_and_the_report_t
     age = age_table(spec, rows)
     assert age[0][1:4] == ["in flight (s)", "queued: finished -> cut (s)", "queued: cut -> trained (s)"]
     assert age[1][1].startswith("3.00") and age[1][4].startswith("1.50")
+
+
+def test_a_spec_can_headline_a_learning_measure_instead_of_speed(tmp_path: Path) -> None:
+    spec_path = tmp_path / "e.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "e", "base": str(REPO / "configs/test.yaml"), "baseline": "naive", "seeds": [0, 1],
+        "stop": {"steps": 4}, "headline": "final_eval_acc",
+        "variants": {"naive": {}, "clipped": {}, "decoupled": {}}}))
+    spec = load_spec(spec_path)
+    finals = {("naive", 0): 0.1, ("naive", 1): 0.1, ("clipped", 0): 0.4, ("clipped", 1): 0.5,
+              ("decoupled", 0): 0.2, ("decoupled", 1): 0.3}
+    rows = [summ.run_row(run_rows(1.0 + s, {0: 0.2, 4: acc}), v, s, [], 4, None, None, f"{v}{s}")
+            for (v, s), acc in finals.items()]
+    line = headline(spec, rows)
+    # the highest ratio of means, clipped 0.45 over naive 0.1, however fast each variant ran
+    assert line.startswith("clipped/naive final eval accuracy: 4.50× (seeds 2 against 2, 95% interval [")
+    assert line.endswith("the highest of 2 variants") and "wall-clock" not in line
+    assert headline(spec, [r for r in rows if r["variant"] == "naive"]).endswith("n/a (no finished runs to compare)")
+    spec_path.write_text(spec_path.read_text().replace("final_eval_acc", "tokens_per_s"))
+    with pytest.raises(SpecError, match="headline"):
+        load_spec(spec_path)

@@ -12,7 +12,10 @@ scratch. ``result.json`` is written (atomically) only after the run ended by its
 ``summary.csv`` -- rebuilt from the result files every time, in spec order -- has exactly one row per
 finished run. A ``dressage up`` left running by a killed runner (``child.json`` names its process
 group) is stopped before its folder is reused. Ctrl-C / SIGTERM stops the running runs cleanly; they
-count as interrupted. Exit code: 0 every run finished, 1 a run failed, 2 bad spec, 130 interrupted.
+count as interrupted. Exit code: 0 every run finished, 1 a run failed, 2 bad spec or a model build other
+than the finished runs' (``tools.experiments.build``: one folder, one build), 130 interrupted.
+
+Each row records the build of the model its run started from (``model_build``), read when the run ends.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from shared.lifecycle import StopFlag
 from shared.logs import setup_logging
 from shared.redisproc import free_port
 from tools.experiments import summary as summ
+from tools.experiments.build import BuildMismatch, check_builds, model_build, weights_stamp
 from tools.experiments.spec import Run, Spec, SpecError, interleaved, load_spec
 from tools.reports.decisionlog import FILE as DECISIONS_FILE
 from tools.reports.decisionlog import load_records
@@ -160,11 +164,36 @@ class Experiment:
         self.tty = self.stream.isatty()
         self.started = time.monotonic()
         self.finished = self.failed = self.skipped = 0
+        self.refused = False
         self.durations: list[float] = []
         self._last_plain = 0.0
+        self._builds: dict[str, tuple[tuple[tuple[str, int, int], ...], str | None]] = {}
 
     def folder(self, run: Run) -> Path:
         return self.root / run.variant / f"seed{run.seed}"
+
+    @staticmethod
+    def model_path(run: Run) -> str:
+        return str((run.config.get("model") or {}).get("path") or "")
+
+    def build(self, run: Run) -> str | None:
+        """The build of the run's model directory now (hashed again only when its weight files changed)."""
+        path = self.model_path(run)
+        stamp = weights_stamp(path)
+        cached = self._builds.get(path)
+        if cached is None or cached[0] != stamp:
+            cached = self._builds[path] = (stamp, model_build(path))
+        return cached[1]
+
+    def check_build(self, run: Run) -> None:
+        """``BuildMismatch`` when ``run`` would start from another build than the finished runs of its model."""
+        path = self.model_path(run)
+        finished = {}
+        for other in self.spec.runs:
+            done = self.folder(other) / RESULT
+            if self.model_path(other) == path and done.exists():
+                finished[other.key] = json.loads(done.read_text())["row"].get("model_build")
+        check_builds(finished, self.build(run), path, str(self.root))
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -184,6 +213,14 @@ class Experiment:
         watched = 0.0
         while (pending or active) and not self.stop.is_set:
             while pending and len(active) < self.jobs and not self.stop.is_set:
+                try:
+                    self.check_build(pending[0])
+                except BuildMismatch as exc:
+                    self._say(f"refused: {exc}", force=True)
+                    log.error("not starting run=%s: %s", pending[0].key, exc)
+                    self.refused = True
+                    pending.clear()
+                    break
                 active.append(self._launch(pending.pop(0), taken={p for a in active for p in a.ports}))
             self.stop.wait(POLL_S)
             watch = time.monotonic() - watched >= WATCH_S
@@ -206,6 +243,8 @@ class Experiment:
             self.stream.write("\n")
         if self.stop.is_set:
             return 130
+        if self.refused:
+            return 2
         return 1 if self.failed else 0
 
     def _launch(self, run: Run, taken: set[int]) -> Active:
@@ -256,7 +295,7 @@ class Experiment:
             self._say(f"FAILED {a.run.key}: exit {code}, step {a.step}; see {a.folder / 'up.log'} "
                       "(it runs again from scratch next time)", force=True)
             return
-        row = self.row(a.run, a.rows)
+        row = self.row(a.run, a.rows, self.build(a.run))
         write_json(a.folder / RESULT, {"row": row, "exit": code, "duration_s": round(duration, 2),
                                        "ended_by": a.stopped_by_rule or "max_steps", "finished_at": time.time()})
         (a.folder / CHILD).unlink(missing_ok=True)
@@ -265,13 +304,13 @@ class Experiment:
         self._say(f"finished {a.run.key}: {a.step} steps, wall to K {row.get('wall_to_k_s') or 0:.0f} s, "
                   f"final eval {row.get('final_eval_acc')}", force=True)
 
-    def row(self, run: Run, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def row(self, run: Run, rows: list[dict[str, Any]], build: str | None) -> dict[str, Any]:
         """The run's summary.csv row from its metric rows (pure given the files of the run folder)."""
         folder = self.folder(run)
         info = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
         return summ.run_row(rows, run.variant, run.seed, self.spec.targets, self.spec.stop.train_steps,
                             slots=self._slots(run), started_at=number(info.get("started_at")), run_dir=str(folder),
-                            decisions=load_records(folder / DECISIONS_FILE))
+                            decisions=load_records(folder / DECISIONS_FILE), model_build=build)
 
     @staticmethod
     def _slots(run: Run) -> int:
@@ -317,7 +356,8 @@ class Experiment:
             done = self.folder(run) / RESULT
             if done.exists():
                 stored = json.loads(done.read_text())["row"]
-                out.append(self.row(run, load_rows(self.folder(run) / "metrics.jsonl")) if recompute else stored)
+                metrics = self.folder(run) / "metrics.jsonl"
+                out.append(self.row(run, load_rows(metrics), stored.get("model_build")) if recompute else stored)
         return out
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from shared.window_decisions import DecisionRecord
 from tools.experiments import summary as summ
+from tools.experiments.build import builds_text
 from tools.experiments.spec import Spec
 from tools.reports import dropbias, timing
 from tools.reports.decisionlog import FILE as DECISIONS_FILE
@@ -97,24 +98,48 @@ def ratios(spec: Spec, rows: Sequence[dict[str, Any]]) -> list[Ratios]:
     return out
 
 
+HEADLINE_LABELS = {"final_eval_acc": "final eval accuracy", "best_eval_acc": "best eval accuracy",
+                   "reward_auc": "reward AUC"}
+
+
 def headline(spec: Spec, rows: Sequence[dict[str, Any]]) -> str:
-    """The bench's last line, for the variant with the best speed-up to K steps; a spec with one
-    variant compares nothing, so its line is that variant's reward gain over the run."""
+    """The report's first line (and the bench's last): the spec's ``headline`` measure for the variant that
+    does best on it against the baseline. A spec with one variant compares nothing, so its line is that
+    variant's reward gain over the run."""
     if len(spec.variants) == 1:
         gain = _mean(summ.values(rows, spec.baseline, "reward_gain"))
         return (f"{spec.baseline}: reward gain from the first to the last fifth of the steps "
                 f"{_iv(gain, 3)} (seeds {len(summ.values(rows, spec.baseline, 'reward_gain'))}); no variant to compare")
+    if spec.headline != "speed":
+        return measure_headline(spec, rows, spec.headline)
     rs = [r for r in ratios(spec, rows) if r.to_k is not None]
     k = spec.stop.train_steps or "K"
     if not rs:
         return f"{_pair(spec, None)} wall-clock to {k} steps: n/a (no finished runs to compare); to {spec.baseline} final accuracy: n/a"
     best = max(rs, key=lambda r: r.to_k.estimate if r.to_k else 0.0)
     assert best.to_k is not None
-    lo = "?" if best.to_k.low is None else f"{best.to_k.low:.2f}"
-    hi = "?" if best.to_k.high is None else f"{best.to_k.high:.2f}"
     acc = "n/a" if best.to_acc is None else f"{best.to_acc.estimate:.2f}×"
     return (f"{_pair(spec, best.variant)} wall-clock to {k} steps: {best.to_k.estimate:.2f}× (seeds {best.to_k.n}, "
-            f"95% interval [{lo}, {hi}]); to {spec.baseline} final accuracy: {acc}")
+            f"95% interval {_bounds(best.to_k)}); to {spec.baseline} final accuracy: {acc}")
+
+
+def measure_headline(spec: Spec, rows: Sequence[dict[str, Any]], column: str) -> str:
+    """``variant/baseline <measure>: ratio`` for the variant with the highest ratio of the measure's means."""
+    label = HEADLINE_LABELS[column]
+    base = summ.values(rows, spec.baseline, column)
+    found = [(v, iv) for v in spec.variants if v != spec.baseline
+             and (iv := _ratio(summ.values(rows, v, column), base)) is not None]
+    if not found:
+        return f"variant/{spec.baseline} {label}: n/a (no finished runs to compare)"
+    variant, best = max(found, key=lambda f: f[1].estimate)
+    return (f"{variant}/{spec.baseline} {label}: {best.estimate:.2f}× (seeds {len(summ.values(rows, variant, column))} against "
+            f"{len(base)}, 95% interval {_bounds(best)}); the highest of {len(found)} variants")
+
+
+def _bounds(iv: Interval) -> str:
+    lo = "?" if iv.low is None else f"{iv.low:.2f}"
+    hi = "?" if iv.high is None else f"{iv.high:.2f}"
+    return f"[{lo}, {hi}]"
 
 
 def _pair(spec: Spec, variant: str | None) -> str:
@@ -314,6 +339,12 @@ def thread_settings(spec: Spec) -> str:
     return "; ".join(seen)
 
 
+def model_builds(spec: Spec, rows: Sequence[dict[str, Any]]) -> str:
+    """Which model build the runs started from (``tools.experiments.build``), variant by variant."""
+    by_variant = {v: [r.get("model_build") or None for r in rows if r.get("variant") == v] for v in spec.variants}
+    return builds_text({v: bs for v, bs in by_variant.items() if bs})
+
+
 def write_csv(path: Path, spec: Spec, rows: Sequence[dict[str, Any]]) -> None:
     cols = [*summ.columns(spec.targets), TO_BASE]
     with path.open("w", newline="", encoding="utf-8") as fh:
@@ -354,6 +385,7 @@ def write_outputs(spec: Spec, rows: list[dict[str, Any]], root: Path, command: s
     facts = [("spec", spec.path + (" (quick preset)" if spec.quick else "")), ("command", command),
              ("seeds", ", ".join(map(str, spec.seeds))), ("stop rule", spec.stop.describe()),
              ("baseline final eval accuracy", "-" if target is None else f"{target:.3f}"),
+             ("model build", model_builds(spec, rows)),
              ("runs finished", f"{len(rows)}/{len(spec.runs)}"), ("git commit", git_commit()),
              ("threads", thread_settings(spec)), *machine().items(),
              ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]

@@ -16,6 +16,8 @@ Spec YAML::
     seeds: [0, 1, 2]                # each sets train.seed, engine.seed and prompt_buffer.shuffle_seed
     stop: {steps: 40}               # or {seconds: 600} or {accuracy: 0.6, max_steps: 200, max_seconds: 900}
     targets: [0.5, 0.6]             # eval-accuracy levels whose time-to-reach goes in summary.csv
+    headline: speed                 # the report's first line: speed (baseline's wall-clock to K steps over each
+                                    # variant's) or final_eval_acc / best_eval_acc / reward_auc (variant over baseline)
     overrides: {...}                # applied to every variant
     variants: {sync: {...}, async: {...}}
     quick: {seeds: [0, 1], stop: {steps: 10}, variants: [sync, async], overrides: {...}}
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,6 +35,7 @@ from shared.config import ENV_PREFIX, SECTIONS, EvalConfig, load_config, merge_l
 from shared.errors import ConfigError
 
 NAME = r"^[A-Za-z0-9_.\-]+$"
+Headline = Literal["speed", "final_eval_acc", "best_eval_acc", "reward_auc"]
 
 
 class SpecError(ValueError):
@@ -99,6 +102,7 @@ class SpecFile(Strict):
     variants: dict[str, dict[str, Any]] = Field(min_length=1)
     quick: QuickPreset | None = None
     description: str = ""
+    headline: Headline = "speed"
 
 
 class Run(Strict):
@@ -125,6 +129,7 @@ class Spec(Strict):
     variants: list[str]
     runs: list[Run]
     description: str = ""
+    headline: Headline = "speed"
 
 
 def nest(overrides: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
@@ -260,4 +265,5 @@ def load_spec(path: str | Path, quick: bool = False, only: list[str] | None = No
             runs.append(Run(variant=variant, seed=seed, config=data, max_steps=stop.train_steps))
     name = (f.name or p.stem) + ("-quick" if quick else "")
     return Spec(name=name, path=str(p), quick=quick, baseline=f.baseline, seeds=seeds, stop=stop,
-                targets=sorted(f.targets), variants=variants, runs=runs, description=f.description)
+                targets=sorted(f.targets), variants=variants, runs=runs, description=f.description,
+                headline=f.headline)

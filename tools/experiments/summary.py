@@ -34,7 +34,8 @@ every variant and is left out, so it cannot dilute a ratio; it is reported as ``
 * a trained group's age split into time in flight and time queued (``in_flight_s_mean``,
   ``queued_*_s_mean``) beside the trainer's version gap and the gap at the cut (``tools.reports.agesplit``);
 * how off-policy the trained data was (``ess_mean``, ``ess_min``, ``truncated_frac_mean``, ``clip_frac_mb_*``,
-  ``mismatch_kl_mean``, ``prox_approx_err_mean``: the trainer's per-step diagnostics, ``tools.reports.offpolicy``).
+  ``mismatch_kl_mean``, ``prox_approx_err_mean``: the trainer's per-step diagnostics, ``tools.reports.offpolicy``);
+* ``model_build``: the model the run started from (``tools.experiments.build``): seeds pool only within one.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def columns(targets: Sequence[float]) -> list[str]:
                "logprob_abs_diff_all_mean"]
             + [f"{name}_{part}" for name in ("reward", "tool_calls") for part in ("first", "last", "gain")]
             + list(COUNTERS) + list(SHARES) + list(WINDOW) + list(timing.columns(timing.TimeSplit()))
-            + list(dropbias.COLUMNS) + list(agesplit.COLUMNS) + list(offpolicy.COLUMNS) + ["run_dir"])
+            + list(dropbias.COLUMNS) + list(agesplit.COLUMNS) + list(offpolicy.COLUMNS) + ["model_build", "run_dir"])
 
 
 def step_clock(rows: Sequence[Row]) -> dict[int, float]:
@@ -159,7 +160,7 @@ def first_last(ys: Sequence[float]) -> tuple[float | None, float | None, float |
 
 def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[float], k_steps: int | None,
             slots: int | None, started_at: float | None, run_dir: str,
-            decisions: Sequence[DecisionRecord] = ()) -> dict[str, Any]:
+            decisions: Sequence[DecisionRecord] = (), model_build: str | None = None) -> dict[str, Any]:
     clock = step_clock(rows)
     last = max(clock) if clock else None
     k = k_steps if k_steps is not None and k_steps in clock else last
@@ -204,6 +205,7 @@ def run_row(rows: Sequence[Row], variant: str, seed: int, targets: Sequence[floa
     row.update(dropbias.columns(decisions))
     row.update(agesplit.split(rows).columns())
     row.update(offpolicy.split(rows).columns())
+    row["model_build"] = model_build
     row["run_dir"] = run_dir
     return row
 
