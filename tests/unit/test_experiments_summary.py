@@ -122,7 +122,9 @@ def test_whom_the_controls_drop_and_the_age_split_reach_the_row_and_the_report_t
 
     def record(decision: str, tokens: int, passed: bool) -> DecisionRecord:
         dropped = decision == "dropped"
-        return DecisionRecord(group_id="g", attempt=0, versions=[], gaps=[], keep_versions=1, current_version=None,
+        gaps = [1, 0] if dropped else [0, 0]  # a dropped group: its first trajectory outside the window
+        return DecisionRecord(group_id="g", attempt=0, versions=["0", "1"], gaps=gaps, keep_versions=1,
+                              current_version=None,
                               cutoff_version=None, decision="dropped" if dropped else "trained",
                               outcome="reenqueued" if dropped else "batched", reason="stale" if dropped else "in_window",
                               window_decided=True, at=1.0, response_tokens=[tokens] * 2, rewards=[float(passed)] * 2)
@@ -141,10 +143,12 @@ def test_whom_the_controls_drop_and_the_age_split_reach_the_row_and_the_report_t
     assert (rows[0]["in_flight_s_mean"], rows[0]["queued_collector_s_mean"], rows[0]["queued_trainer_s_mean"]) == \
         (3.0, 0.5, 1.0)
     bias = drop_bias_table(spec, rows, decisions)
-    assert bias[1] == ["off", "-", "0 / 40", "nothing measured was dropped or dead-lettered", "", "", "", "", ""]
+    assert bias[1] == ["off", "-", "0 / 40", "nothing measured was dropped or dead-lettered", "", "", "", "", "", ""]
     keep = bias[2]
     assert keep[:4] == ["keep1", "dropped by the window", "12 / 40", "45.5 vs 19.5"] and keep[5] == "2/2"
     assert keep[6] == "0.000 vs 0.500" and keep[8] == "2/2"  # none of the dropped passed, half the trained did
+    assert keep[9] == "0.00 rewarded vs 0.00 in those groups; only rewarded ones outside in 0 of 12 drops"
+    assert rows[2]["dropped_outside_pass"] == 0.0 and rows[2]["dropped_only_rewarded_share"] == 0.0
     age = age_table(spec, rows)
     assert age[0][1:4] == ["in flight (s)", "queued: finished -> cut (s)", "queued: cut -> trained (s)"]
     assert age[1][1].startswith("3.00") and age[1][4].startswith("1.50")

@@ -61,3 +61,36 @@ def test_records_without_lengths_give_no_figures_and_the_report_says_why() -> No
         "400.0 vs 15.0 (1 vs 1 groups), Mann-Whitney p=")
     assert lines["pass rate: dead-lettered vs trained (per group)"] == "- (0 dead-lettered, 1 trained groups with trajectories)"
     assert dropbias.summary_pairs([]) == [("whom the controls drop", "- (no decisions.jsonl)")]
+
+
+def judged(gaps: list[int], rewards: list[float], keep: int = 2, decision: str = "dropped",
+           window_decided: bool = True) -> DecisionRecord:
+    r = rec(decision, "reenqueued" if decision == "dropped" else "batched", "stale" if decision == "dropped"
+            else "in_window", window_decided, tokens=[10] * len(rewards), rewards=rewards)
+    return r.model_copy(update={"gaps": gaps, "versions": [str(g) for g in gaps], "keep_versions": keep})
+
+
+def test_deciders_count_the_trajectories_outside_the_window_in_its_drops_and_whether_they_were_rewarded() -> None:
+    records = [
+        judged([3, 1, 1, 1], [1.0, 0.0, 0.0, 0.0]),  # only the early winner outside
+        judged([2, 2, 1, 0], [1.0, 0.0, 1.0, 0.0]),  # a winner and a loser outside
+        judged([2, 2], [0.0, 0.0]),  # the whole group outside, nothing rewarded
+        judged([5, 0], [1.0, 0.0], decision="trained"),  # trained: not a drop
+        judged([5, 0], [1.0, 0.0], window_decided=False),  # failed and retried: not the window's call
+        judged([5, 0, 0], [1.0, 0.0]),  # a trajectory without a version: gaps and rewards do not align
+        judged([1, 0], [1.0, 0.0]),  # nothing outside the window of 2 (decided under another window): left out
+    ]
+    d = dropbias.deciders(records)
+    assert (d.drops, d.only_rewarded, d.outside, d.outside_rewarded, d.trajectories, d.rewarded) == (3, 1, 5, 2, 10, 3)
+    assert (d.outside_pass, d.groups_pass) == (0.4, 0.3) and d.only_rewarded_share == pytest.approx(1 / 3)
+    assert dropbias.describe_deciders(d) == "0.40 rewarded vs 0.30 in those groups; only rewarded ones outside in 1 of 3 drops"
+    cols = dropbias.columns(records)
+    assert (cols["dropped_outside_pass"], cols["dropped_groups_pass"]) == (0.4, 0.3)
+    assert dict(dropbias.summary_pairs(records))["trajectories outside the window in its drops"].startswith("0.40")
+
+
+def test_deciders_say_nothing_without_window_drops() -> None:
+    d = dropbias.deciders([rec(), stale([5])])  # the stale record has no gaps (an old record)
+    assert d.drops == 0 and d.outside_pass is None and d.only_rewarded_share is None
+    assert dropbias.describe_deciders(d) == "-"
+    assert dropbias.columns([rec()])["dropped_outside_pass"] is None

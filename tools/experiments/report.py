@@ -199,9 +199,11 @@ def drop_bias_table(spec: Spec, rows: Sequence[dict[str, Any]],
                     decisions: Mapping[str, Sequence[DecisionRecord]]) -> list[list[str]]:
     """Whom the controls drop (``tools.reports.dropbias``): per variant, the group attempts dropped by the
     window and the groups dead-lettered against the trained ones, pooled over the seeds (a group attempt
-    is the unit), with the Mann-Whitney p and KS D of the pool, and in how many runs alone p < 0.05."""
+    is the unit), with the Mann-Whitney p and KS D of the pool, and in how many runs alone p < 0.05; for
+    the window's drops, which of their trajectories were outside the window (``dropbias.deciders``)."""
     out = [["variant", "set", "groups (set / trained)", "response tokens, set vs trained", "p [KS D]",
-            "runs p < 0.05", "pass rate, set vs trained", "p [KS D]", "runs p < 0.05"]]
+            "runs p < 0.05", "pass rate, set vs trained", "p [KS D]", "runs p < 0.05",
+            "trajectories outside the window: pass rate vs their groups'"]]
     for v in spec.variants:
         runs = [r for r in rows if r.get("variant") == v]
         pooled = [rec for r in runs for rec in decisions.get(str(r.get("run_dir")), ())]
@@ -209,7 +211,7 @@ def drop_bias_table(spec: Spec, rows: Sequence[dict[str, Any]],
         shown = [name for name in dropbias.SETS if comps[(name, "len")].n]
         if not shown:
             trained = comps[(dropbias.SETS[0], "len")].n_trained
-            out.append([v, "-", f"0 / {trained}", "nothing measured was dropped or dead-lettered", "", "", "", "", ""])
+            out.append([v, "-", f"0 / {trained}", "nothing measured was dropped or dead-lettered", "", "", "", "", "", ""])
         for name in shown:
             cells = [v, dropbias.LABELS[name], f"{comps[(name, 'len')].n} / {comps[(name, 'len')].n_trained}"]
             for measure, digits in (("len", 1), ("pass", 3)):
@@ -219,6 +221,7 @@ def drop_bias_table(spec: Spec, rows: Sequence[dict[str, Any]],
                           f"{c.mean:.{digits}f} vs {c.mean_trained:.{digits}f}",
                           "-" if c.p_value is None or c.ks_d is None else f"{c.p_value:.2g} [{c.ks_d:.2f}]",
                           f"{sum(p < 0.05 for p in ps)}/{len(ps)}"]
+            cells.append(dropbias.describe_deciders(dropbias.deciders(pooled)) if name == "dropped" else "")
             out.append(cells)
     return out
 

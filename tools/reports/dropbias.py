@@ -25,6 +25,15 @@ Mann-Whitney U p-value and the Kolmogorov-Smirnov distance D (``tools.reports.tw
 implementation). A group dropped twice and then trained is in both sets: the question is which
 attempts the window turns away at its checks, not only which prompts are lost. Records written
 before the decision log carried lengths and rewards have none: every figure is then None.
+
+*Why* an attempt was dropped (``deciders``): a group is outside the window when one of its trajectories
+is (``shared.window_decisions.outside_window``), so among the window's drops this counts the trajectories
+that were outside (gap >= the window in force) and how many of them were rewarded, against the share of
+rewarded trajectories in those groups, and the drops where every trajectory outside was a rewarded one.
+A trajectory that wins early ends on an older version than its siblings that play on, so a rewarded
+share above the groups' own says the window judged those groups by their early winners. Per trajectory,
+``gaps`` and ``rewards`` align only when every trajectory has a real version (equal lengths); other
+records are left out.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ SETS = ("dropped", "dead")  # each compared with the trained attempts
 MEASURES = {"len": "response tokens", "pass": "pass rate"}
 # summary.csv columns, in order (tools.experiments.summary)
 COLUMNS = (["trained_n", "trained_len_mean", "trained_pass_mean"]
-           + [f"{s}_{c}" for s in SETS for c in ("n", "len_mean", "pass_mean", "len_p", "len_ks", "pass_p", "pass_ks")])
+           + [f"{s}_{c}" for s in SETS for c in ("n", "len_mean", "pass_mean", "len_p", "len_ks", "pass_p", "pass_ks")]
+           + ["dropped_outside_pass", "dropped_groups_pass", "dropped_only_rewarded_share"])
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,58 @@ def split(records: Sequence[DecisionRecord]) -> dict[str, list[Unit]]:
     return out
 
 
+@dataclass(frozen=True)
+class Deciders:
+    """The trajectories that put the window's dropped attempts outside it (counts over those attempts)."""
+
+    drops: int  # window drops whose trajectories all carry a gap and a reward
+    only_rewarded: int  # of those, drops whose every trajectory outside the window was rewarded
+    outside: int  # trajectories outside the window (gap >= the window in force)
+    outside_rewarded: int  # of those, the rewarded ones (reward > 0)
+    trajectories: int  # every trajectory of those drops
+    rewarded: int  # of those, the rewarded ones
+
+    @property
+    def outside_pass(self) -> float | None:
+        return self.outside_rewarded / self.outside if self.outside else None
+
+    @property
+    def groups_pass(self) -> float | None:
+        return self.rewarded / self.trajectories if self.trajectories else None
+
+    @property
+    def only_rewarded_share(self) -> float | None:
+        return self.only_rewarded / self.drops if self.drops else None
+
+
+def deciders(records: Sequence[DecisionRecord]) -> Deciders:
+    """Which trajectories were outside the window in the attempts it dropped (module docstring)."""
+    drops = only = outside = outside_rewarded = trajectories = rewarded = 0
+    for rec in records:
+        if (rec.decision != "dropped" or not rec.window_decided or not rec.keep_versions or not rec.gaps
+                or len(rec.gaps) != len(rec.rewards)):
+            continue
+        out = [r for g, r in zip(rec.gaps, rec.rewards, strict=True) if g >= rec.keep_versions]
+        if not out:
+            continue  # an unknown version (gap -1) cannot have decided it; nothing to attribute
+        drops += 1
+        only += all(r > 0 for r in out)
+        outside += len(out)
+        outside_rewarded += sum(1 for r in out if r > 0)
+        trajectories += len(rec.rewards)
+        rewarded += sum(1 for r in rec.rewards if r > 0)
+    return Deciders(drops, only, outside, outside_rewarded, trajectories, rewarded)
+
+
+def describe_deciders(d: Deciders) -> str:
+    """``"0.61 rewarded vs 0.37 in those groups; only rewarded ones outside in 219 of 307 drops"``."""
+    if not d.drops:
+        return "-"
+    assert d.outside_pass is not None and d.groups_pass is not None
+    return (f"{d.outside_pass:.2f} rewarded vs {d.groups_pass:.2f} in those groups; "
+            f"only rewarded ones outside in {d.only_rewarded} of {d.drops} drops")
+
+
 def _values(units: Sequence[Unit], measure: str) -> list[float]:
     return [u.length if measure == "len" else u.passed for u in units]
 
@@ -121,6 +183,9 @@ def columns(records: Sequence[DecisionRecord]) -> dict[str, float | int | None]:
         out[f"{c.name}_{c.measure}_mean"] = c.mean
         out[f"{c.name}_{c.measure}_p"] = c.p_value
         out[f"{c.name}_{c.measure}_ks"] = c.ks_d
+    d = deciders(records)
+    out.update({"dropped_outside_pass": d.outside_pass, "dropped_groups_pass": d.groups_pass,
+                "dropped_only_rewarded_share": d.only_rewarded_share})
     return out
 
 
@@ -141,5 +206,6 @@ def summary_pairs(records: Sequence[DecisionRecord]) -> list[tuple[str, str]]:
     """Lines for ``dressage report``: each set against the trained groups (group attempt = unit)."""
     if not records:
         return [("whom the controls drop", "- (no decisions.jsonl)")]
-    return [(f"{MEASURES[c.measure]}: {LABELS[c.name]} vs trained (per group)", describe(c))
-            for c in compare(records)]
+    return ([(f"{MEASURES[c.measure]}: {LABELS[c.name]} vs trained (per group)", describe(c))
+             for c in compare(records)]
+            + [("trajectories outside the window in its drops", describe_deciders(deciders(records)))])
