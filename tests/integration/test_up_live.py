@@ -89,12 +89,26 @@ def live(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                             stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: any(r.get("service") == "trainer" for r in load_rows(run_dir / "metrics.jsonl")),
-                 240, "a trainer report in metrics.jsonl", process=proc, period=0.5)
+                 240, "a trainer report in metrics.jsonl", process=proc, period=0.5,
+                 why=lambda: why_it_stopped(proc, run_dir))
         yield LiveRun(proc, run_dir, base)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(60)
+
+
+def why_it_stopped(proc: subprocess.Popen[str], run_dir: Path, lines: int = 15) -> str:
+    """What `dressage up` printed so far (read without blocking: its services may hold the pipe) and the tail
+    of each service log, for a failure of the fixture (it once exited with code 1 on a loaded machine)."""
+    parts = []
+    if proc.stdout is not None:
+        os.set_blocking(proc.stdout.fileno(), False)
+        printed = proc.stdout.read() or ""
+        parts.append("--- dressage up\n" + "\n".join(printed.splitlines()[-lines:]))
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(parts)
 
 
 def test_every_service_metrics_endpoint_parses_in_an_up_run(live: LiveRun) -> None:
