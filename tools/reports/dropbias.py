@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.window_decisions import DecisionRecord
+from shared.window_decisions import DecisionRecord, outside_window
 from tools.reports.twosample import ks_statistic, mann_whitney
 
 SETS = ("dropped", "dead")  # each compared with the trained attempts
@@ -130,7 +130,7 @@ def deciders(records: Sequence[DecisionRecord]) -> Deciders:
         if (rec.decision != "dropped" or not rec.window_decided or not rec.keep_versions or not rec.gaps
                 or len(rec.gaps) != len(rec.rewards)):
             continue
-        out = [r for g, r in zip(rec.gaps, rec.rewards, strict=True) if g >= rec.keep_versions]
+        out = [r for g, r in zip(rec.gaps, rec.rewards, strict=True) if outside_window([g], rec.keep_versions)]
         if not out:
             continue  # an unknown version (gap -1) cannot have decided it; nothing to attribute
         drops += 1
