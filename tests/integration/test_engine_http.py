@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from greedy import greedy_ignore_eos
 from paths import REPO
 from waits import wait_for
 
@@ -59,9 +60,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model_dir, perturbed = root / "model", root / "step-1"
     build_model_dir(model_dir, "reverse", ModelSpec(max_position_embeddings=2048), seed=0)
     m = load_model(model_dir)
+    noise = torch.Generator().manual_seed(1)  # the same perturbed checkpoint in every run
     with torch.no_grad():
         for p in m.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
     m.save_pretrained(perturbed, safe_serialization=True)
     port = free_port()
     env = {**os.environ, "DRESSAGE_ENGINE_NUM_THREADS": "1", "DRESSAGE_ENGINE_MAX_NEW_TOKENS_LIMIT": "1600",
@@ -107,9 +109,7 @@ def test_concurrent_greedy_requests_match_one_by_one_generate(engine: Engine, lo
         r = fut.result()
         assert r.status_code == 200, r.text
         body, meta = r.json(), r.json()["meta_info"]
-        x = torch.tensor([p])
-        ref = local.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, min_new_tokens=24,
-                             do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        ref = greedy_ignore_eos(local, p, 24)
         assert body["output_ids"] == ref
         with torch.no_grad():
             lp = torch.log_softmax(local(torch.tensor([p + ref])).logits[0], -1)
@@ -189,9 +189,7 @@ def test_weight_update_mid_generation_changes_the_version_per_token(engine: Engi
     assert engine.client.get("/get_weight_version").json() == {"weight_version": "v1"}
     assert engine.client.get("/model_info").json()["model_path"] == str(engine.perturbed_dir)
     # New requests run on the new weights.
-    x = torch.tensor([[40, 41, 42]])
-    ref = engine.perturbed.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8,
-                       do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    ref = greedy_ignore_eos(engine.perturbed, [40, 41, 42], 8)
     assert engine.post("/generate", gen([40, 41, 42], 8, sampling={"ignore_eos": True})).json()["output_ids"] == ref
     # A checkpoint that cannot be loaded is refused and the serving weights stay.
     bad = engine.post("/update_weights_from_disk", {"model_path": str(engine.perturbed_dir / "nope"),

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from greedy import greedy_ignore_eos
 from proxy_support import EngineProc, start_engine
 from waits import wait_for
 
@@ -54,13 +55,6 @@ def fixture(name: str, engine: EngineProc | None = None) -> dict[str, Any]:
 def replay(client: httpx.Client, name: str, engine: EngineProc | None = None) -> httpx.Response:
     fx = fixture(name, engine)
     return client.request(fx["method"], fx["path"], json=fx["body"])
-
-
-def greedy_ref(model: Any, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0)
-    return list(out[0, len(ids):].tolist())
 
 
 def test_slime_default_request_is_served_with_logprobs(client: httpx.Client) -> None:
@@ -149,7 +143,7 @@ def test_native_text_request_matches_reference_and_detokenizes(engine: EnginePro
     assert r.status_code == 200, r.text
     body = r.json()
     ids = tok.encode("The capital of France is")
-    ref = greedy_ref(local, ids, len(body["output_ids"]))
+    ref = greedy_ignore_eos(local, ids, len(body["output_ids"]))
     assert body["output_ids"] == ref
     fr = body["meta_info"]["finish_reason"]
     shown = body["output_ids"][:-1] if fr["type"] == "stop" else body["output_ids"]  # stop token trimmed
@@ -183,7 +177,7 @@ def test_batch_and_parallel_sampling_return_one_object_per_sample(client: httpx.
     tok = load_tokenizer(engine.model_dir)
     assert [o["meta_info"]["id"] for o in out] == ["batch-a", "batch-b"]
     for o, prompt in zip(out, ["abc", "hello world"], strict=True):
-        assert o["output_ids"] == greedy_ref(local, tok.encode(prompt), len(o["output_ids"]))
+        assert o["output_ids"] == greedy_ignore_eos(local, tok.encode(prompt), len(o["output_ids"]))
     par = replay(client, "sglang_parallel_n").json()
     assert isinstance(par, list) and len(par) == 4
     assert [o["meta_info"]["prompt_tokens"] for o in par] == [3, 3, 2, 2]  # grouped by prompt
@@ -229,7 +223,7 @@ def test_penalties_min_p_bias_and_min_new_tokens_change_what_is_generated(client
         return dict(r.json())
 
     plain = gen(ignore_eos=True)["output_ids"]
-    assert plain == greedy_ref(local, ids, 12)
+    assert plain == greedy_ignore_eos(local, ids, 12)
     # frequency/presence: a repeated token is pushed away (the greedy plain output repeats tokens)
     if len(set(plain)) < len(plain):
         assert gen(ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)["output_ids"] != plain
