@@ -22,13 +22,14 @@ import redis
 import torch
 import uvicorn
 from paths import REPO
+from reference_model import save_perturbed
 from waits import wait_for
 
 from services.proxy.app import build_app
 from services.proxy.runtime import ProxyRuntime
 from shared.config import ProxyConfig
 from shared.keys import Keys
-from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
+from shared.modeling import ModelSpec, build_model_dir, load_tokenizer
 from shared.redisproc import free_port
 
 
@@ -65,11 +66,7 @@ def start_engine(root: Path, max_batch_size: int = 16, second_checkpoint: bool =
     model_dir, second = root / "model", root / "step-b"
     build_model_dir(model_dir, "reverse", ModelSpec(max_position_embeddings=2048), seed=0)
     if second_checkpoint:
-        m = load_model(model_dir)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        m.save_pretrained(second, safe_serialization=True)
+        save_perturbed(model_dir, second)
     port = free_port()
     env = {**os.environ, "DRESSAGE_ENGINE_NUM_THREADS": "1", "DRESSAGE_ENGINE_MAX_NEW_TOKENS_LIMIT": "1800",
            "DRESSAGE_ENGINE_MAX_BATCH_SIZE": str(max_batch_size),

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from greedy import greedy_ignore_eos
 from paths import REPO
+from reference_model import greedy_ignore_eos, save_perturbed
 from waits import wait_for
 
 from shared.modeling import ModelSpec, build_model_dir, load_model, load_tokenizer
@@ -59,12 +59,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     root = tmp_path_factory.mktemp("engine")
     model_dir, perturbed = root / "model", root / "step-1"
     build_model_dir(model_dir, "reverse", ModelSpec(max_position_embeddings=2048), seed=0)
-    m = load_model(model_dir)
-    noise = torch.Generator().manual_seed(1)  # the same perturbed checkpoint in every run
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=noise))
-    m.save_pretrained(perturbed, safe_serialization=True)
+    m = save_perturbed(model_dir, perturbed)
     port = free_port()
     env = {**os.environ, "DRESSAGE_ENGINE_NUM_THREADS": "1", "DRESSAGE_ENGINE_MAX_NEW_TOKENS_LIMIT": "1600",
            "DRESSAGE_ENGINE_MAX_BATCH_SIZE": "16", "DRESSAGE_TRAIN_CHECKPOINT_DIR": str(root)}  # weights load from root

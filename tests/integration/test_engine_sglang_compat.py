@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from greedy import greedy_ignore_eos
 from proxy_support import EngineProc, start_engine
+from reference_model import greedy_ignore_eos
 from waits import wait_for
 
 from shared.modeling import load_model, load_tokenizer

@@ -46,13 +46,17 @@ def _children(pid: int) -> list[psutil.Process]:
 
 def test_redis_down_while_a_job_ends_does_not_end_the_worker(tmp_path: Path) -> None:
     """The chaos soak's death: the job's work horse ends while Redis is down, so rq's loop meets the fault
-    outside its dequeue retry and quits. Made deterministic: the horse is frozen on sight, Redis SIGKILLed,
-    the horse killed (its end is what the parent then reports to Redis), Redis restarted on its AOF."""
+    outside its dequeue retry and quits. Made deterministic: the job's dataset is a named pipe nobody writes,
+    so the horse blocks opening it until it is killed (a job that failed at once could end before the test saw
+    its horse, on a busy machine); Redis is SIGKILLed, the horse killed (its end is what the parent then
+    reports to Redis), the pipe removed and Redis restarted on its AOF."""
     server = RedisProcess(directory=tmp_path / "redis", appendonly=True).start()
     keys = Keys("evalcrash")
     queue = f"{keys.prefix}-eval"
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "data").mkdir()
+    pipe = tmp_path / "data" / "d.jsonl"
+    os.mkfifo(pipe)  # opening it blocks the first job's horse until the horse is killed
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"redis: {{url: '{server.url}', prefix: '{keys.prefix}', reconnect_backoff_max_s: 0.5}}\n"
                    f"eval: {{queue: '{queue}', data_root: '{tmp_path / 'data'}'}}\n"
@@ -60,7 +64,7 @@ def test_redis_down_while_a_job_ends_does_not_end_the_worker(tmp_path: Path) -> 
     cmd = [sys.executable, "-m", "services.eval_worker", "--config", str(cfg)]
     log_path = tmp_path / "worker.log"
     r = redis.Redis(port=server.port, socket_timeout=5)
-    job_kwargs = {"checkpoint_path": str(tmp_path / "ckpt" / "missing"), "dataset": str(tmp_path / "data" / "d.jsonl"),
+    job_kwargs = {"checkpoint_path": str(tmp_path / "ckpt" / "missing"), "dataset": str(pipe),
                   "version": "1", "step": 1, "n_examples": 1, "prefix": keys.prefix, "batch_size": 1, "device": "cpu"}
     with log_path.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "DRESSAGE_CONSUMER": "ev"}, stdout=out,
@@ -72,9 +76,9 @@ def test_redis_down_while_a_job_ends_does_not_end_the_worker(tmp_path: Path) -> 
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.005)
         assert horses, f"job {first.id} never got a work horse\n{log_path.read_text()[-3000:]}"
-        horses[0].suspend()
         server.kill()
         horses[0].kill()
+        pipe.unlink()  # the second job finds no dataset and fails at once
         time.sleep(2.0)  # the parent reaps the horse and reports it to an absent Redis: rq's loop quits
         server.start()
         second = Queue(queue, connection=r, serializer=SERIALIZER).enqueue_call(JOB_FUNCTION, kwargs=job_kwargs)

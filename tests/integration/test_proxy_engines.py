@@ -24,12 +24,12 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from proxy_support import REPO, ProxyThread, free_port, wait_healthy
+from reference_model import save_perturbed
 
 from shared.config import ProxyConfig
 from shared.keys import Keys
-from shared.modeling import ModelSpec, build_model_dir, load_model
+from shared.modeling import ModelSpec, build_model_dir
 from shared.redisproc import RedisProcess
 from shared.schemas import WeightVersion
 from shared.versionbus import publish_version
@@ -44,11 +44,7 @@ class Engines:
         self.root = root
         self.model, self.second = root / "model", root / "ckpt" / "v00000001"  # under the engines' checkpoint root
         build_model_dir(self.model, "reverse", ModelSpec(max_position_embeddings=2048), seed=0)
-        m = load_model(self.model)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        m.save_pretrained(self.second, safe_serialization=True)
+        save_perturbed(self.model, self.second)
         self.ports = [free_port() for _ in range(3)]
         self.procs: list[subprocess.Popen[bytes]] = [self._start(i) for i in range(3)]
         for i in range(3):
